@@ -1,0 +1,136 @@
+"""Getting a process group: either this process is one rank of a world someone else started
+(torchrun, srun), or it forks the world's workers on this machine itself."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import wait
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class WorkerError(RuntimeError):
+    """A worker process failed; the message names its rank and error."""
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    rank: int
+    world: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+
+def from_environment() -> RankEnv | None:
+    """The rank this process already is: torchrun's variables, or an srun task's (whose sbatch
+    script exports MASTER_ADDR/MASTER_PORT). None when started by hand."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return RankEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
+                       env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)))
+    if "SLURM_STEP_ID" in env and int(env.get("SLURM_NTASKS", 1)) > 1 and "MASTER_ADDR" in env:
+        return RankEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env["SLURM_LOCALID"]),
+                       env["MASTER_ADDR"], int(env.get("MASTER_PORT", 29500)))
+    return None
+
+
+def init_process_group(env: RankEnv, device_type: str, timeout_s: float) -> torch.device:
+    """gloo on CPU, NCCL on CUDA (one GPU per local rank)."""
+    if device_type == "cuda":
+        device = torch.device("cuda", env.local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
+                            rank=env.rank, world_size=env.world, timeout=timedelta(seconds=timeout_s))
+    return device
+
+
+def free_port(addr: str) -> int:
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def _local_worker(index, fn, args, world, addr, port, device_type, timeout_s, threads, errors):
+    try:
+        # Each of the N workers gets its own slice of the cores.
+        torch.set_num_threads(threads)
+        os.environ.update(RANK=str(index), WORLD_SIZE=str(world), LOCAL_RANK=str(index),
+                          MASTER_ADDR=addr, MASTER_PORT=str(port))
+        device = init_process_group(RankEnv(index, world, index, addr, port), device_type, timeout_s)
+        fn(*args, device)
+    except BaseException:
+        # Report before any teardown: closing this rank's connections makes its peers fail next.
+        errors.put((time.time(), index, traceback.format_exc()))
+        sys.exit(1)
+    dist.destroy_process_group()
+
+
+def run_local(fn, args: tuple, world: int, device_type: str, cluster_cfg) -> None:
+    """Fork `world` workers running fn(*args, device). Fork, not spawn: the parent has imported
+    torch and prepared the data already (fork ~1 s for 8 workers on 2 cores, spawn ~24 s), and
+    it has run no torch compute, so no thread pool is forked.
+
+    When a worker fails, the others are stopped and the error raised is the FIRST one: once a rank
+    dies its peers fail too, with "connection closed by peer", which says nothing of the cause."""
+    addr = cluster_cfg.master_addr
+    port = cluster_cfg.master_port or free_port(addr)
+    ctx = mp.get_context("fork")
+    errors = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_local_worker, name=f"fldp-rank{i}", args=(
+        i, fn, args, world, addr, port, device_type, cluster_cfg.timeout_s,
+        cluster_cfg.threads_per_worker, errors)) for i in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        alive = {p.sentinel: p for p in procs}
+        while alive:
+            for sentinel in wait(list(alive)):
+                if alive.pop(sentinel).exitcode != 0:
+                    time.sleep(_GRACE_S)  # let the cascade report, so the first error is known
+                    alive = {}
+                    break
+    finally:
+        _stop(procs)
+    failures = sorted(_drain(errors))
+    if failures:
+        _, rank, tb = failures[0]
+        others = f"\n({len(failures) - 1} other ranks failed after it)" if len(failures) > 1 else ""
+        raise WorkerError(f"rank {rank} failed first:\n{tb}{others}")
+    dead = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]
+    if dead:
+        rank, code = dead[0]
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        raise WorkerError(f"rank {rank} died ({how}) without a Python error")
+
+
+_GRACE_S = 1.0
+
+
+def _drain(queue):
+    while not queue.empty():
+        yield queue.get()
+
+
+def _stop(procs, patience_s: float = 5.0) -> None:
+    """SIGTERM the workers still running, SIGKILL those that ignore it; reap all."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + patience_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()

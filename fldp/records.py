@@ -1,0 +1,69 @@
+"""Run records: `metrics.jsonl` and `summary.json` in the run directory (what `analysis/` reads),
+the same rows to W&B, and a progress bar. Only rank 0 makes a Recorder."""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+PHASES = ("forward", "backward", "optimizer", "aggregation")
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+class Recorder:
+    def __init__(self, run_dir: str | Path, cfg, total_steps: int, progress: bool = True):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        self.wandb = _start_wandb(cfg, self.run_dir)
+        self.bar = None
+        if progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, desc=f"{cfg.algorithm.name} {cfg.mesh.federation}x"
+                            f"{cfg.mesh.replicate}x{cfg.mesh.shard}", unit="step", dynamic_ncols=True)
+
+    def log(self, row: dict) -> None:
+        self.metrics.write(json.dumps(row) + "\n")
+        if self.wandb is not None:
+            prefix = "eval" if row.get("split") == "eval" else "train"
+            self.wandb.log({f"{prefix}/{k}": v for k, v in row.items() if k not in ("step", "split")},
+                           step=row["step"])
+        if self.bar is not None and row.get("split") != "eval":
+            self.bar.update(1)
+            self.bar.set_postfix_str(
+                f"ppl {row['perplexity']:.1f} | " + " ".join(f"{p[:3]} {row['time_' + p]:.3f}s" for p in PHASES)
+            )
+
+    def finish(self, summary: dict) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        tmp = self.run_dir / "summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+        os.replace(tmp, self.run_dir / "summary.json")  # present only once the run is complete
+        self.metrics.close()
+        if self.wandb is not None:
+            self.wandb.summary.update(summary)
+            self.wandb.finish()
+
+
+def _start_wandb(cfg, run_dir: Path):
+    mode = cfg.wandb.mode
+    if mode == "disabled":
+        return None
+    try:
+        import wandb
+
+        return wandb.init(
+            project=cfg.wandb.project, entity=cfg.wandb.entity, group=cfg.wandb.group, mode=mode,
+            name=f"{cfg.algorithm.name}-{cfg.topology.name}-{run_dir.name}", dir=str(run_dir),
+            config=OmegaConf.to_container(cfg, resolve=True),
+            # never block a training run on a missing network
+            settings=wandb.Settings(init_timeout=60, silent=True, console="off"),
+        )
+    except Exception as e:
+        warnings.warn(f"W&B ({mode}) could not start, records go to {run_dir} only: {e}")
+        return None

@@ -1,0 +1,112 @@
+"""`python -m fldp.train [overrides]`: one experiment.
+
+Everything that can be checked is checked here, before any worker starts: the mesh against the
+algorithm and topology, the trainer and optimiser settings, the data and tokenizer paths."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import hydra
+import torch
+import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from . import launch
+from .aggregation import FedAvgConfig
+from .data import prepare
+from .mesh import ConfigError, mesh_shape
+
+log = logging.getLogger("fldp")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are forked after tokenising
+
+
+def validate(cfg: DictConfig):
+    """Fail fast on a config that cannot work; returns the mesh shape."""
+    shape = mesh_shape(cfg)
+    FedAvgConfig.from_algorithm(cfg.algorithm)
+    t = cfg.trainer
+    checks = [
+        (t.steps is None or (isinstance(t.steps, int) and t.steps >= 1), "trainer.steps", t.steps, "an integer >= 1 or null"),
+        (isinstance(t.batch_size, int) and t.batch_size >= 1, "trainer.batch_size", t.batch_size, "an integer >= 1"),
+        (t.precision in ("fp32", "bf16"), "trainer.precision", t.precision, "fp32 or bf16"),
+        (isinstance(t.eval_every, int) and t.eval_every >= 0, "trainer.eval_every", t.eval_every, "an integer >= 0"),
+        (cfg.optimizer.name in ("adamw", "sgd"), "optimizer.name", cfg.optimizer.name, "adamw or sgd"),
+        (0 <= cfg.optimizer.warmup < 1, "optimizer.warmup", cfg.optimizer.warmup, "a fraction in [0, 1)"),
+        (cfg.model.init_device in ("cpu", "meta"), "model.init_device", cfg.model.init_device, "cpu or meta"),
+        (cfg.topology.device in ("cpu", "cuda"), "topology.device", cfg.topology.device, "cpu or cuda"),
+        (cfg.wandb.mode in ("offline", "online", "disabled"), "wandb.mode", cfg.wandb.mode, "offline, online or disabled"),
+    ]
+    for ok, key, value, expected in checks:
+        if not ok:
+            raise ConfigError(f"{key}={value!r}: must be {expected}")
+    if cfg.topology.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"topology.device=cuda (topology={cfg.topology.name}): no CUDA device here")
+    return shape
+
+
+def check_vocab(cfg, blocks) -> None:
+    if cfg.model.vocab_size is not None and blocks.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"dataset.tokenizer={cfg.dataset.tokenizer} has {blocks.vocab_size} tokens but "
+                          f"model.vocab_size={cfg.model.vocab_size}: token ids would overflow the embedding")
+
+
+def _rank(cfg, run_dir, blocks, device):
+    from .trainer import train  # imported in the workers only: keeps the parent light
+
+    train(cfg, run_dir, blocks, device)
+
+
+def run(cfg: DictConfig, run_dir: str) -> dict | None:
+    shape = validate(cfg)
+    env = launch.from_environment()
+    if env is None:
+        blocks = prepare(cfg.dataset)
+        check_vocab(cfg, blocks)
+        log.info("%s on %s: mesh %s (federation x replicate x shard), %d local workers, records in %s",
+                 cfg.algorithm.name, cfg.topology.name, shape, shape.world, run_dir)
+        launch.run_local(_rank, (cfg, run_dir, blocks), shape.world, cfg.topology.device, cfg.cluster)
+        return json.loads((Path(run_dir) / "summary.json").read_text())
+
+    # One rank of a world started by torchrun or srun.
+    if env.world != shape.world:
+        raise ConfigError(f"WORLD_SIZE={env.world} from the launcher, but mesh {shape} needs {shape.world} ranks")
+    device = launch.init_process_group(env, cfg.topology.device, cfg.cluster.timeout_s)
+    try:
+        if env.rank == 0:  # tokenise once; the others read the cache
+            blocks = prepare(cfg.dataset)
+        dist.barrier()
+        if env.rank != 0:
+            blocks = prepare(cfg.dataset)
+        check_vocab(cfg, blocks)
+        shared = [run_dir]
+        dist.broadcast_object_list(shared, src=0)  # ranks may disagree on Hydra's timestamped dir
+        _rank(cfg, shared[0], blocks, device)
+    finally:
+        dist.destroy_process_group()
+    return None
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> dict | None:
+    try:
+        summary = run(cfg, HydraConfig.get().runtime.output_dir)
+    except (ConfigError, launch.WorkerError) as e:
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            raise  # Hydra records this point of the sweep as failed; the others go on
+        print(f"fldp: {'config error' if isinstance(e, ConfigError) else 'run failed'}: {e}", file=sys.stderr)
+        sys.exit(2 if isinstance(e, ConfigError) else 1)
+    if summary:
+        log.info("train perplexity %.2f in %.2f s, eval perplexity %.2f in %.2f s",
+                 summary["train_perplexity"], summary["train_time_s"],
+                 summary["eval_perplexity"], summary["eval_time_s"])
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""The one training loop for FSDP, HSDP, FL+FSDP and FL+HSDP.
+
+The algorithms differ only in the mesh they shard over and in whether FedAvg runs every A steps;
+everything else (data, model, optimiser, schedule, timing, records) is shared.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.distributed as dist
+from transformers import get_cosine_schedule_with_warmup
+
+from .aggregation import FedAvg, FedAvgConfig
+from .data import Blocks, RankBatches
+from .mesh import ConfigError, build_mesh, group_mesh, mesh_shape
+from .model import DTYPES, build_model, init_weights, llama_config, parallelize
+from .records import PHASES, Recorder
+
+
+class PhaseTimer:
+    """Wall-clock laps; on CUDA a device synchronise at each boundary so a lap is the phase's
+    real duration, not its launch time (as the paper's measurements)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def _now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def start(self) -> None:
+        self.times = {}
+        self.t0 = self.last = self._now()
+
+    def lap(self, phase: str) -> None:
+        now = self._now()
+        self.times[phase] = now - self.last
+        self.last = now
+
+    def total(self) -> float:
+        return self.last - self.t0
+
+
+def build_optimizer(model, opt_cfg):
+    if opt_cfg.name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=opt_cfg.lr, betas=tuple(opt_cfg.betas),
+                                 weight_decay=opt_cfg.weight_decay)
+    if opt_cfg.name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=opt_cfg.lr, momentum=opt_cfg.momentum,
+                               weight_decay=opt_cfg.weight_decay)
+    raise ConfigError(f"optimizer.name={opt_cfg.name!r}: must be adamw or sgd")
+
+
+def total_steps(cfg, blocks: Blocks, world: int) -> int:
+    """trainer.steps, or one pass over the training blocks when null (paper: 65,536/(512*2) = 64)."""
+    per_epoch = len(blocks.train) // (world * cfg.trainer.batch_size)
+    if per_epoch == 0:
+        raise ConfigError(f"trainer.batch_size={cfg.trainer.batch_size}: {len(blocks.train)} training "
+                          f"blocks are too few for one batch on each of {world} ranks")
+    return cfg.trainer.steps or per_epoch
+
+
+def _all_ranks(values: list[float], device) -> torch.Tensor:
+    """Every rank's values, one row per rank (a single small collective)."""
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    out = torch.empty(dist.get_world_size() * len(values), dtype=torch.float64, device=device)
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, mine)
+    return out.view(dist.get_world_size(), len(values))
+
+
+@torch.no_grad()
+def evaluate(model, cfg, blocks: Blocks, device) -> tuple[float, float]:
+    """Mean loss over the held-out blocks (each rank its slice) and the wall time, max over ranks."""
+    start = time.perf_counter()
+    model.eval()
+    batches = RankBatches(blocks.eval, cfg.trainer.batch_size, dist.get_rank(), dist.get_world_size(),
+                          cfg.seed, shuffle=False)
+    losses = []
+    for i, x in enumerate(batches.epoch(0)):
+        if cfg.trainer.eval_batches is not None and i >= cfg.trainer.eval_batches:
+            break
+        x = x.to(device)
+        losses.append(model(input_ids=x, labels=x).loss.float().item())
+    model.train()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    rows = _all_ranks([sum(losses), len(losses), time.perf_counter() - start], device)
+    if rows[:, 1].sum() == 0:
+        raise ConfigError(f"dataset.eval_blocks: {len(blocks.eval)} held-out blocks are too few for one "
+                          f"batch of {cfg.trainer.batch_size} on each of {dist.get_world_size()} ranks")
+    return (rows[:, 0].sum() / rows[:, 1].sum()).item(), rows[:, 2].max().item()
+
+
+def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None) -> dict | None:
+    """Run one experiment on this rank (the process group is initialised). Rank 0 writes the
+    records and returns the summary. `on_step(step, model, aggregated)`, if given, runs on every
+    rank after each step (tests inspect the parameters with it)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shape = mesh_shape(cfg)
+    mesh = build_mesh(shape, device.type)
+    steps = total_steps(cfg, blocks, world)
+
+    # Same seed everywhere: every rank builds the same full model before sharding it.
+    torch.manual_seed(cfg.seed)
+    meta = cfg.model.init_device == "meta"
+    model = build_model(llama_config(cfg.model, blocks.vocab_size), "meta" if meta else device)
+    model = parallelize(model, group_mesh(mesh, shape), DTYPES[cfg.trainer.precision])
+    if meta:
+        init_weights(model, device)
+
+    fedavg_cfg = FedAvgConfig.from_algorithm(cfg.algorithm)
+    fedavg = FedAvg(model, mesh, shape, fedavg_cfg, last_step=steps) if fedavg_cfg else None
+    if fedavg is not None:
+        fedavg.synchronise()  # all groups start from identical weights
+
+    optimizer = build_optimizer(model, cfg.optimizer)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, int(cfg.optimizer.warmup * steps), steps)
+    batches = iter(RankBatches(blocks.train, cfg.trainer.batch_size, rank, world, cfg.seed))
+    tokens_per_step = world * cfg.trainer.batch_size * blocks.train.shape[1]
+    recorder = Recorder(run_dir, cfg, steps, cfg.trainer.progress) if rank == 0 else None
+    timer = PhaseTimer(device)
+    train_time, row = 0.0, {}
+
+    for step in range(1, steps + 1):
+        timer.start()
+        x = next(batches).to(device)
+        lr = scheduler.get_last_lr()[0]
+        loss = model(input_ids=x, labels=x).loss
+        timer.lap("forward")
+        loss.backward()
+        timer.lap("backward")
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        timer.lap("optimizer")
+        aggregated = fedavg is not None and fedavg.due(step)
+        if aggregated:
+            fedavg()
+            timer.lap("aggregation")
+        else:
+            timer.times["aggregation"] = 0.0  # the phase did not run this step
+
+        # Outside the timed phases: mean loss over ranks, phase times as the slowest rank's.
+        stats = _all_ranks([loss.item()] + [timer.times[p] for p in PHASES] + [timer.total()], device)
+        mean_loss = stats[:, 0].mean().item()
+        if not math.isfinite(mean_loss):
+            raise FloatingPointError(f"non-finite loss ({mean_loss}) at step {step}: stopping")
+        slowest = stats[:, 1:].max(dim=0).values.tolist()
+        train_time += slowest[-1]
+        row = {"step": step, "loss": mean_loss, "perplexity": math.exp(mean_loss), "lr": lr,
+               "tokens": step * tokens_per_step,
+               **{f"time_{p}": t for p, t in zip(PHASES, slowest)}, "time_step": slowest[-1],
+               "aggregated": aggregated}
+        if recorder:
+            recorder.log(row)
+        if on_step is not None:
+            on_step(step, model, aggregated)
+        if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step != steps:
+            eval_loss, eval_time = evaluate(model, cfg, blocks, device)
+            if recorder:
+                recorder.log({"split": "eval", "step": step, "loss": eval_loss,
+                              "perplexity": math.exp(eval_loss), "time_eval": eval_time})
+
+    eval_loss, eval_time = evaluate(model, cfg, blocks, device)
+    if recorder is None:
+        return None
+    recorder.log({"split": "eval", "step": steps, "loss": eval_loss, "perplexity": math.exp(eval_loss),
+                  "time_eval": eval_time})
+    summary = {
+        "algorithm": cfg.algorithm.name, "federation": shape.federation, "replicate": shape.replicate,
+        "shard": shape.shard, "every": fedavg_cfg.every if fedavg_cfg else None,
+        "fedavg_mode": fedavg_cfg.mode if fedavg_cfg and shape.replicate > 1 else None,
+        "world_size": world, "seed": cfg.seed, "steps": steps, "topology": cfg.topology.name,
+        "model": cfg.model.name, "dataset": cfg.dataset.name, "precision": cfg.trainer.precision,
+        "batch_size": cfg.trainer.batch_size, "tokens": steps * tokens_per_step,
+        "train_time_s": train_time, "train_loss": row["loss"], "train_perplexity": row["perplexity"],
+        "eval_loss": eval_loss, "eval_perplexity": math.exp(eval_loss), "eval_time_s": eval_time,
+    }
+    recorder.finish(summary)
+    return summary

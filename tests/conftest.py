@@ -1,0 +1,98 @@
+"""Shared helpers: compose the real Hydra configs, run real worker processes over gloo."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+import fldp  # noqa: F401  (registers the fldp_asset resolver)
+from fldp.data import prepare
+from fldp.launch import run_local
+from fldp.mesh import MeshShape
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Small, quick runs: the tests are about equivalences, not about learning.
+QUICK = ["wandb.mode=disabled", "trainer.progress=false", "trainer.eval_batches=1"]
+
+
+def compose_cfg(*overrides: str):
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=[*QUICK, *overrides])
+
+
+def cluster(timeout_s: float = 120):
+    return OmegaConf.create({"master_addr": "127.0.0.1", "master_port": None,
+                             "timeout_s": timeout_s, "threads_per_worker": 1})
+
+
+def run_world(fn, world: int, *args, timeout_s: float = 120) -> None:
+    """fn(*args, device) on `world` forked ranks with an initialised gloo process group."""
+    run_local(fn, args, world, "cpu", cluster(timeout_s))
+
+
+def _train_rank(cfg, run_dir, blocks, on_step, device):
+    from fldp.trainer import train
+
+    train(cfg, run_dir, blocks, device, on_step=on_step)
+
+
+def train_world(cfg, run_dir: Path, on_step=None) -> list[dict]:
+    """The real trainer on real processes; returns the training rows of metrics.jsonl."""
+    blocks = prepare(cfg.dataset)
+    shape = MeshShape(cfg.mesh.federation, cfg.mesh.replicate, cfg.mesh.shard)
+    run_world(_train_rank, shape.world, cfg, str(run_dir), blocks, on_step)
+    return read_rows(run_dir)
+
+
+def read_rows(run_dir: Path, split: str | None = None) -> list[dict]:
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r.get("split") == split]
+
+
+class Snapshot:
+    """on_step callback: at the chosen steps, the shard-0 rank of every (federation, replicate)
+    replica saves that replica's full parameters to `out/f{F}_r{R}_step{N}.pt`."""
+
+    def __init__(self, out: Path, steps, cfg):
+        self.out, self.steps = Path(out), set(steps)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.shape = MeshShape(cfg.mesh.federation, cfg.mesh.replicate, cfg.mesh.shard)
+
+    def __call__(self, step, model, aggregated):
+        if step not in self.steps:
+            return
+        full = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}  # group collective
+        f, r, s = self.shape.coords(dist.get_rank())
+        if s == 0:
+            torch.save(full, self.out / f"f{f}_r{r}_step{step}.pt")
+
+    def load(self, f: int, r: int, step: int) -> dict:
+        return torch.load(self.out / f"f{f}_r{r}_step{step}.pt")
+
+
+def identical(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def cli(*args: str, cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m fldp.train ARGS` as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "fldp.train", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture
+def snapshot_dir(tmp_path):
+    d = tmp_path / "snapshots"
+    d.mkdir()
+    return d

@@ -1,0 +1,88 @@
+"""`python -m fldp.train` as a user runs it: every algorithm on every local topology, the default
+command, and bad configs that must fail fast, naming the key, before any worker starts."""
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import cli, read_rows
+
+FAST = ["wandb.mode=disabled", "trainer.eval_batches=1"]
+
+# the documented default layouts (F, R, S)
+LAYOUTS = {
+    "local_2": {"fsdp": (1, 1, 2), "hsdp": (1, 2, 1), "fl_fsdp": (2, 1, 1), "fl_hsdp": (2, 1, 1)},
+    "local_4": {"fsdp": (1, 1, 4), "hsdp": (1, 2, 2), "fl_fsdp": (2, 1, 2), "fl_hsdp": (2, 2, 1)},
+    "local_8": {"fsdp": (1, 1, 8), "hsdp": (1, 2, 4), "fl_fsdp": (2, 1, 4), "fl_hsdp": (2, 2, 2)},
+}
+# a few cases also cover the other precision and the meta-device init path
+EXTRA = {("local_2", "fl_fsdp"): ["trainer.precision=bf16"], ("local_4", "hsdp"): ["trainer.precision=bf16"],
+         ("local_4", "fsdp"): ["model.init_device=meta"], ("local_8", "fl_fsdp"): ["model.init_device=meta"]}
+
+
+@pytest.mark.parametrize("topology,algorithm", [(t, a) for t in LAYOUTS for a in LAYOUTS[t]])
+def test_every_algorithm_on_every_local_topology(tmp_path, topology, algorithm):
+    extra = EXTRA.get((topology, algorithm), [])
+    out = cli(f"algorithm={algorithm}", f"topology={topology}", "trainer.steps=2", *FAST, *extra,
+              f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["federation"], summary["replicate"], summary["shard"]) == LAYOUTS[topology][algorithm]
+    assert summary["world_size"] == int(topology.split("_")[1])
+    assert summary["steps"] == 2 and summary["eval_perplexity"] > 1
+    rows = read_rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert len(read_rows(tmp_path, "eval")) == 1
+
+
+def test_done_when_aggregation_only_every_a_steps(tmp_path):
+    out = cli("algorithm=fl_hsdp", "topology=local_8", "trainer.steps=16", "algorithm.every=4", *FAST,
+              f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = read_rows(tmp_path)
+    assert [r["step"] for r in rows if r["time_aggregation"] > 0] == [4, 8, 12, 16]
+    assert [r["step"] for r in rows if r["aggregated"]] == [4, 8, 12, 16]
+    fields = {"step", "loss", "perplexity", "lr", "tokens", "time_forward", "time_backward",
+              "time_optimizer", "time_aggregation", "time_step", "aggregated"}
+    assert all(fields <= r.keys() for r in rows)
+    # each time is the slowest rank's, so no phase exceeds the step
+    assert all(r["time_step"] >= max(r[f"time_{p}"] for p in ("forward", "backward", "optimizer", "aggregation"))
+               for r in rows)
+
+
+def test_default_command_with_no_arguments(tmp_path):
+    """Exactly `python -m fldp.train`: FL+HSDP on 8 local workers, records and an offline W&B run."""
+    out = cli(cwd=tmp_path, env={"WANDB_MODE": "offline"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run_dir,) = [p.parent for p in tmp_path.glob("outputs/*/*/summary.json")]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["algorithm"] == "fl_hsdp" and summary["world_size"] == 8
+    assert len(read_rows(run_dir)) == summary["steps"] == 24
+    assert list(run_dir.glob("wandb/offline-run-*")), "no offline W&B run was written"
+
+
+BAD = [
+    (["mesh.federation=3"], "mesh.federation x mesh.replicate x mesh.shard"),
+    (["algorithm=fsdp", "mesh.replicate=2", "mesh.shard=4"], "mesh.replicate=2"),
+    (["algorithm=hsdp", "mesh.federation=2", "mesh.replicate=1"], "mesh.federation=2"),
+    (["algorithm=fl_fsdp", "mesh.replicate=2", "mesh.shard=2"], "mesh.replicate=2"),
+    (["algorithm.every=0"], "algorithm.every=0"),
+    (["mesh.shard=0"], "mesh.shard=0"),
+    (["algorithm.fedavg.mode=gossip"], "algorithm.fedavg.mode='gossip'"),
+    (["trainer.precision=fp8"], "trainer.precision='fp8'"),
+    (["dataset.data_files.train=/nonexistent/train.jsonl"], "dataset.data_files.train=/nonexistent"),
+    (["dataset.tokenizer=/nonexistent/tokenizer"], "dataset.tokenizer=/nonexistent"),
+    (["model.vocab_size=1000"], "model.vocab_size=1000"),
+]
+
+
+@pytest.mark.parametrize("overrides,key", BAD, ids=[b[1].split("=")[0] for b in BAD])
+def test_bad_config_fails_fast_naming_the_key(tmp_path, overrides, key):
+    start = time.monotonic()
+    out = cli(*overrides, f"hydra.run.dir={tmp_path}", cwd=tmp_path, timeout=60)
+    elapsed = time.monotonic() - start
+    assert out.returncode != 0
+    assert key in out.stderr, out.stderr[-2000:]
+    assert not (tmp_path / "metrics.jsonl").exists(), "a worker started"
+    assert elapsed < 45, f"took {elapsed:.0f}s to fail"

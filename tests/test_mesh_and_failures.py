@@ -1,0 +1,130 @@
+"""Mesh validation, the shard-alignment check and failing workers, on real processes over gloo."""
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard
+
+from conftest import compose_cfg, run_world
+from fldp.aggregation import FedAvg, FedAvgConfig
+from fldp.launch import WorkerError
+from fldp.mesh import ConfigError, MeshShape, build_mesh, group_mesh, mesh_shape
+from fldp.model import build_model, llama_config, parallelize
+
+
+def test_rank_coordinates_are_federation_major():
+    shape = MeshShape(2, 2, 2)
+    assert [shape.coords(r) for r in range(8)] == [
+        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
+
+
+@pytest.mark.parametrize("algorithm,shape", [("fsdp", (1, 1, 512)), ("hsdp", (1, 128, 4)),
+                                             ("fl_fsdp", (128, 1, 4)), ("fl_hsdp", (16, 8, 4))])
+def test_leonardo_layouts_are_the_authors(algorithm, shape):
+    cfg = compose_cfg(f"algorithm={algorithm}", "topology=leonardo_512")
+    assert mesh_shape(cfg) == MeshShape(*shape)
+
+
+def test_mesh_override_and_validation_messages():
+    assert mesh_shape(compose_cfg("algorithm=fl_fsdp", "mesh.federation=8", "mesh.shard=1")) == MeshShape(8, 1, 1)
+    with pytest.raises(ConfigError, match=r"mesh.federation=2: algorithm=hsdp needs mesh.federation=1"):
+        mesh_shape(compose_cfg("algorithm=hsdp", "mesh.federation=2", "mesh.replicate=1"))
+    with pytest.raises(ConfigError, match=r"algorithm.every=-1"):
+        FedAvgConfig.from_algorithm(compose_cfg("algorithm.every=-1").algorithm)
+
+
+def _build(cfg, shape, device, misalign=None):
+    mesh = build_mesh(shape, "cpu")
+    torch.manual_seed(0)
+    f = shape.coords(dist.get_rank())[0]
+    model_cfg = cfg.model.copy()
+    if misalign == "shape" and f == 1:
+        model_cfg.intermediate_size = 128  # group 1 trains a different model
+    model = build_model(llama_config(model_cfg, 4096))
+    if misalign == "policy" and f == 1:
+        # group 1 shards along dim 1: same tensors, different slices on each rank
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=group_mesh(mesh, shape), shard_placement_fn=lambda p: Shard(p.ndim - 1))
+        fully_shard(model, mesh=group_mesh(mesh, shape), shard_placement_fn=lambda p: Shard(p.ndim - 1))
+    else:
+        parallelize(model, group_mesh(mesh, shape), torch.float32)
+    return model, mesh
+
+
+def _construct_fedavg(cfg, misalign, out, device):
+    shape = MeshShape(2, 1, 2)
+    model, mesh = _build(cfg, shape, device, misalign)
+    try:
+        FedAvg(model, mesh, shape, FedAvgConfig(every=2), last_step=4)
+        result = "ok"
+    except Exception as e:
+        result = f"{type(e).__name__}: {e}"
+    with open(os.path.join(out, f"rank{dist.get_rank()}"), "w") as f:
+        f.write(result)
+
+
+@pytest.mark.parametrize("misalign", [None, "shape", "policy"])
+def test_misaligned_federation_group_trips_the_shard_check(tmp_path, misalign):
+    run_world(_construct_fedavg, 4, compose_cfg(), misalign, str(tmp_path))
+    results = [(tmp_path / f"rank{r}").read_text() for r in range(4)]
+    if misalign is None:
+        assert results == ["ok"] * 4
+    else:
+        for text in results:
+            assert text.startswith("ShardMismatchError: federation group"), text
+            assert "first difference" in text
+
+
+def test_bucketed_fedavg_reduces_every_tensor_once(tmp_path):
+    run_world(_bucket_worker, 4, compose_cfg(), str(tmp_path))
+    assert (tmp_path / "ok").exists()
+
+
+def _bucket_worker(cfg, out, device):
+    """Buckets far smaller than the model (many buckets) give bitwise the per-tensor average."""
+    shape = MeshShape(2, 1, 2)
+    model, mesh = _build(cfg, shape, device)
+    f = shape.coords(dist.get_rank())[0]
+    with torch.no_grad():
+        for p in model.parameters():  # make the groups differ
+            p.to_local().mul_(1.0 + f).add_(0.25 * f)
+    expected = []
+    fed = mesh["federation"].get_group()
+    for p in model.parameters():
+        t = p.to_local().clone()
+        dist.all_reduce(t, group=fed)
+        expected.append(t / 2)
+    fedavg = FedAvg(model, mesh, shape, FedAvgConfig(every=1, bucket_mb=0.01), last_step=1)
+    assert len(fedavg.buckets) > 5
+    assert sum(len(b) for b in fedavg.buckets) == sum(1 for p in model.parameters() if p.to_local().numel())
+    fedavg()
+    for p, e in zip(model.parameters(), expected):
+        assert torch.equal(p.to_local(), e)
+    if dist.get_rank() == 0:
+        open(os.path.join(out, "ok"), "w").close()
+
+
+def _fail_on_rank_2(device):
+    if dist.get_rank() == 2:
+        raise ValueError("injected failure")
+    dist.barrier()  # the others wait in a collective that will never complete
+
+
+def test_a_failing_worker_ends_the_whole_run(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=r"rank 2 failed first:(.|\n)*ValueError: injected failure"):
+        run_world(_fail_on_rank_2, 4)
+    assert time.monotonic() - start < 60
+    children = [p for p in os.listdir("/proc") if p.isdigit() and _parent(p) == os.getpid()]
+    assert not children, f"worker processes left behind: {children}"
+
+
+def _parent(pid: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
