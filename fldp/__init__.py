@@ -7,3 +7,16 @@ ASSETS = Path(__file__).parent / "assets"
 
 # ${fldp_asset:diodati_1649/train.jsonl.gz} -> the file shipped inside the package
 OmegaConf.register_new_resolver("fldp_asset", lambda rel: str(ASSETS / rel), replace=True)
+
+
+def _fill(nodes, procs_per_node, *others) -> int:
+    """The mesh dimension that fills the world given the other two (at least 1). A sweep over F
+    uses it for R; an F that does not divide the world still fails validation, naming F."""
+    rest = 1
+    for o in others:
+        rest *= int(o)
+    return max(1, int(nodes) * int(procs_per_node) // max(1, rest))  # a 0 is reported by validation
+
+
+# ${fldp_fill:${topology.nodes},${topology.procs_per_node},${mesh.federation},${mesh.shard}} -> R
+OmegaConf.register_new_resolver("fldp_fill", _fill, replace=True)

@@ -70,6 +70,7 @@ class FedAvg:
         # leader_broadcast: only replica 0 of each group joins the cross-group average.
         self.broadcast = config.mode == "leader_broadcast" and shape.replicate > 1
         self.buckets = self._buckets(int(config.bucket_mb * 2**20))
+        self._buffers: dict = {}
         check_aligned(model, self.federation)
 
     def due(self, step: int) -> bool:
@@ -77,36 +78,44 @@ class FedAvg:
         return step % self.config.every == 0 or step == self.last_step
 
     def _buckets(self, bucket_bytes: int) -> list[list[torch.Tensor]]:
-        """Greedy, order-preserving grouping of local shards (one dtype per bucket), so FedAvg
-        issues a few large collectives instead of one per parameter. Each shard is in exactly one
-        bucket; one larger than the limit gets a bucket of its own."""
-        buckets, current, size = [], [], 0
-        for p in self.params:
-            local = p.to_local() if hasattr(p, "to_local") else p
-            if local.numel() == 0:
-                continue  # FSDP2 can leave a rank an empty shard of a small parameter
-            nbytes = local.numel() * local.element_size()
-            if current and (size + nbytes > bucket_bytes or current[0].dtype != local.dtype):
-                buckets.append(current)
-                current, size = [], 0
-            current.append(local)
-            size += nbytes
-        if current:
-            buckets.append(current)
-        return buckets
+        locals_ = [p.to_local() if hasattr(p, "to_local") else p for p in self.params]
+        # FSDP2 can leave a rank an empty shard of a small parameter: nothing to send
+        locals_ = [t for t in locals_ if t.numel()]
+        groups = bucket_indices([(t.numel() * t.element_size(), t.dtype) for t in locals_], bucket_bytes)
+        return [[locals_[i] for i in group] for group in groups]
 
     @torch.no_grad()
     def __call__(self) -> None:
-        for bucket in self.buckets:
-            flat = torch.cat([t.reshape(-1) for t in bucket])
-            if not self.broadcast or self.replica_index == 0:
-                # gloo has no AVG: sum, then divide (identical bits on every rank of the group)
-                dist.all_reduce(flat, group=self.federation)
-                flat.div_(self.shape.federation)
-            if self.broadcast:
-                dist.broadcast(flat, group=self.replicate, group_src=0)
-            for t, avg in zip(bucket, torch.split(flat, [t.numel() for t in bucket])):
-                t.copy_(avg.view_as(t))
+        """Pack bucket k+1 while bucket k is being reduced (two reusable buffers per dtype): the
+        copies overlap the collective, and nothing is allocated per aggregation."""
+        pending = None
+        for i, bucket in enumerate(self.buckets):
+            flat = self._buffer(bucket, i % 2)
+            torch.cat([t.reshape(-1) for t in bucket], out=flat)
+            reduce = not self.broadcast or self.replica_index == 0
+            work = dist.all_reduce(flat, group=self.federation, async_op=True) if reduce else None
+            if pending:
+                self._finish(*pending)
+            pending = (bucket, flat, work)
+        if pending:
+            self._finish(*pending)
+
+    def _buffer(self, bucket, parity: int) -> torch.Tensor:
+        numel = sum(t.numel() for t in bucket)
+        key = (bucket[0].dtype, parity)
+        if key not in self._buffers or self._buffers[key].numel() < numel:
+            self._buffers[key] = torch.empty(numel, dtype=bucket[0].dtype, device=bucket[0].device)
+        return self._buffers[key][:numel]
+
+    def _finish(self, bucket, flat, work) -> None:
+        if work is not None:
+            work.wait()
+            # gloo has no AVG: sum, then divide (identical bits on every rank of the group)
+            flat.div_(self.shape.federation)
+        if self.broadcast:
+            dist.broadcast(flat, group=self.replicate, group_src=0)
+        for t, avg in zip(bucket, torch.split(flat, [t.numel() for t in bucket])):
+            t.copy_(avg.view_as(t))
 
     @torch.no_grad()
     def synchronise(self) -> None:
@@ -116,6 +125,20 @@ class FedAvg:
             dist.broadcast(flat, group=self.federation, group_src=0)
             for t, src in zip(bucket, torch.split(flat, [t.numel() for t in bucket])):
                 t.copy_(src.view_as(t))
+
+
+def bucket_indices(tensors: list[tuple[int, torch.dtype]], bucket_bytes: int) -> list[list[int]]:
+    """Greedy, order-preserving grouping of (nbytes, dtype) into buckets of one dtype and at most
+    `bucket_bytes` each, so FedAvg issues a few large collectives instead of one per parameter.
+    Every index lands in exactly one bucket; one larger than the limit gets a bucket of its own."""
+    buckets, size = [], 0
+    for i, (nbytes, dtype) in enumerate(tensors):
+        if not buckets or size + nbytes > bucket_bytes or tensors[buckets[-1][0]][1] != dtype:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += nbytes
+    return buckets
 
 
 def check_aligned(model, federation_group) -> None:

@@ -45,21 +45,33 @@ def _check_data_files(data_cfg) -> None:
             raise ConfigError(f"dataset.data_files.{split}={path}: no such file")
 
 
+def _source(data_cfg, split: str) -> str:
+    """The key and value that name where a split comes from, for error messages."""
+    files = data_cfg.data_files or {}
+    return f"dataset.data_files.{split}={files[split]}" if split in files else f"dataset.path={data_cfg.path} (split {split})"
+
+
 def _documents(data_cfg, split: str):
     from datasets import load_dataset
 
     files = dict(data_cfg.data_files) if data_cfg.data_files else None
     try:
-        stream = load_dataset(data_cfg.path, name=data_cfg.config_name, data_files=files,
-                              split=split, streaming=True)
-    except Exception as e:
-        raise ConfigError(f"dataset.path={data_cfg.path} split={split}: cannot load ({type(e).__name__}: {e})") from e
-    for row in stream:
-        text = row.get(data_cfg.text_field)
-        if text is None:
-            raise ConfigError(f"dataset.text_field={data_cfg.text_field}: not a field of {data_cfg.path} "
-                              f"(fields: {sorted(row)})")
-        yield text
+        stream = iter(load_dataset(data_cfg.path, name=data_cfg.config_name, data_files=files,
+                                   split=split, streaming=True))
+        while True:
+            try:
+                row = next(stream)
+            except StopIteration:
+                return
+            text = row.get(data_cfg.text_field)
+            if text is None:
+                raise ConfigError(f"dataset.text_field={data_cfg.text_field}: not a field of "
+                                  f"{_source(data_cfg, split)} (fields: {sorted(row)})")
+            yield text
+    except ConfigError:
+        raise
+    except Exception as e:  # unreadable, corrupt, or not what the builder expects
+        raise ConfigError(f"{_source(data_cfg, split)}: cannot read ({type(e).__name__}: {e})") from e
 
 
 def tokenize_blocks(tokenizer, documents, block_size: int, max_blocks: int | None,
@@ -111,7 +123,7 @@ def prepare(data_cfg) -> Blocks:
         splits[key] = tokenize_blocks(tokenizer, _documents(data_cfg, split), int(data_cfg.block_size), limit)
         if len(splits[key]) == 0:
             raise ConfigError(f"dataset.{key}_split={split}: no full block of {data_cfg.block_size} tokens "
-                              f"in {data_cfg.path} (empty or too small corpus)")
+                              f"in {_source(data_cfg, split)} (empty or too small corpus)")
     blocks = Blocks(splits["train"], splits["eval"], len(tokenizer))
     cache.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=cache.parent, delete=False, suffix=".tmp") as f:
@@ -137,8 +149,11 @@ class RankBatches:
         for i in range(self.per_epoch):
             yield self.blocks[indices[i * self.batch_size:(i + 1) * self.batch_size]].long()
 
-    def __iter__(self):
-        epoch = 0
+    def stream(self, skip: int = 0):
+        """Endless batches, epoch after epoch, starting after the first `skip` (a resumed run)."""
+        epoch, offset = divmod(skip, self.per_epoch)
         while True:
-            yield from self.epoch(epoch)
-            epoch += 1
+            for i, batch in enumerate(self.epoch(epoch)):
+                if i >= offset:
+                    yield batch
+            epoch, offset = epoch + 1, 0

@@ -31,15 +31,18 @@ class RankEnv:
 
 
 def from_environment() -> RankEnv | None:
-    """The rank this process already is: torchrun's variables, or an srun task's (whose sbatch
-    script exports MASTER_ADDR/MASTER_PORT). None when started by hand."""
+    """The rank this process already is: torchrun's variables, or a task of a multi-task srun step
+    (a submitted fldp job, an sbatch script, a hydra-submitit-launcher job), whose rendezvous is
+    MASTER_ADDR/MASTER_PORT if exported, else derived from the allocation. None when started by hand."""
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
         return RankEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
                        env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)))
-    if "SLURM_STEP_ID" in env and int(env.get("SLURM_NTASKS", 1)) > 1 and "MASTER_ADDR" in env:
+    if "SLURM_STEP_ID" in env and int(env.get("SLURM_NTASKS", 1)) > 1:
+        from .slurm import rendezvous  # late: fldp.slurm imports this module
+
         return RankEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env["SLURM_LOCALID"]),
-                       env["MASTER_ADDR"], int(env.get("MASTER_PORT", 29500)))
+                       *rendezvous(env))
     return None
 
 
@@ -62,7 +65,20 @@ def free_port(addr: str) -> int:
         return s.getsockname()[1]
 
 
-def _local_worker(index, fn, args, world, addr, port, device_type, timeout_s, threads, errors):
+def _die_with_parent(parent: int) -> None:
+    """Linux: a worker whose launcher is killed, even by SIGKILL, is killed too: no orphans."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the launcher died before prctl took effect
+        os._exit(1)
+
+
+def _local_worker(index, fn, args, world, addr, port, device_type, timeout_s, threads, errors, parent):
+    _die_with_parent(parent)
     try:
         # Each of the N workers gets its own slice of the cores.
         torch.set_num_threads(threads)
@@ -90,29 +106,34 @@ def run_local(fn, args: tuple, world: int, device_type: str, cluster_cfg) -> Non
     errors = ctx.SimpleQueue()
     procs = [ctx.Process(target=_local_worker, name=f"fldp-rank{i}", args=(
         i, fn, args, world, addr, port, device_type, cluster_cfg.timeout_s,
-        cluster_cfg.threads_per_worker, errors)) for i in range(world)]
+        cluster_cfg.threads_per_worker, errors, os.getpid())) for i in range(world)]
     for p in procs:
         p.start()
+    deaths = []  # (rank, exitcode) of the first workers seen to fail
     try:
-        alive = {p.sentinel: p for p in procs}
-        while alive:
+        alive = {p.sentinel: (i, p) for i, p in enumerate(procs)}
+        while alive and not deaths:
             for sentinel in wait(list(alive)):
-                if alive.pop(sentinel).exitcode != 0:
-                    time.sleep(_GRACE_S)  # let the cascade report, so the first error is known
-                    alive = {}
-                    break
+                rank, p = alive.pop(sentinel)
+                p.join()  # a ready sentinel can precede the reaping that sets exitcode
+                if p.exitcode != 0:
+                    deaths.append((rank, p.exitcode))
+        if deaths:
+            time.sleep(_GRACE_S)  # let the cascade report, so the first error is known
     finally:
         _stop(procs)
-    failures = sorted(_drain(errors))
+    failures = sorted(_drain(errors))  # (time, rank, traceback), earliest first
+    reported = {rank for _, rank, _ in failures}
+    after = f"\n({len(failures)} other ranks failed after it)" if failures else ""
+    # a rank killed outright (SIGKILL, OOM) leaves no traceback; its peers' errors come after
+    for rank, code in deaths:
+        if rank not in reported:
+            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            raise WorkerError(f"rank {rank} died ({how}) without a Python error{after}")
     if failures:
         _, rank, tb = failures[0]
         others = f"\n({len(failures) - 1} other ranks failed after it)" if len(failures) > 1 else ""
         raise WorkerError(f"rank {rank} failed first:\n{tb}{others}")
-    dead = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]
-    if dead:
-        rank, code = dead[0]
-        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-        raise WorkerError(f"rank {rank} died ({how}) without a Python error")
 
 
 _GRACE_S = 1.0

@@ -14,17 +14,35 @@ WANDB_MODES = ("offline", "online", "disabled")
 
 
 class Recorder:
-    def __init__(self, run_dir: str | Path, cfg, total_steps: int, progress: bool = True):
+    def __init__(self, run_dir: str | Path, cfg, total_steps: int, progress: bool = True, resume_from: int = 0):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        kept = self._truncate(resume_from, total_steps)
+        train = [r for r in kept if r.get("split") != "eval"]
+        self.train_time = sum(r["time_step"] for r in train)
+        self.last_row = train[-1] if train else {}
         self.metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
         self.wandb = _start_wandb(cfg, self.run_dir)
         self.bar = None
         if progress:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, desc=f"{cfg.algorithm.name} {cfg.mesh.federation}x"
+            self.bar = tqdm(total=total_steps, initial=resume_from, desc=f"{cfg.algorithm.name} {cfg.mesh.federation}x"
                             f"{cfg.mesh.replicate}x{cfg.mesh.shard}", unit="step", dynamic_ncols=True)
+
+    def _truncate(self, step: int, total_steps: int) -> list[dict]:
+        """Keep the rows up to `step`: a resumed run redoes the steps after its checkpoint (and the
+        final evaluation, when it resumes from the last step)."""
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return []
+        kept = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        kept = [r for r in kept if r["step"] < step or (r["step"] == step and not (
+            r.get("split") == "eval" and step == total_steps))]
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, path)
+        return kept
 
     def log(self, row: dict) -> None:
         self.metrics.write(json.dumps(row) + "\n")

@@ -17,8 +17,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from . import launch
+from . import launch, slurm
 from .aggregation import FedAvgConfig
+from .checkpoint import latest
 from .data import prepare
 from .mesh import ConfigError, mesh_shape
 
@@ -41,13 +42,37 @@ def validate(cfg: DictConfig):
         (cfg.model.init_device in ("cpu", "meta"), "model.init_device", cfg.model.init_device, "cpu or meta"),
         (cfg.topology.device in ("cpu", "cuda"), "topology.device", cfg.topology.device, "cpu or cuda"),
         (cfg.wandb.mode in ("offline", "online", "disabled"), "wandb.mode", cfg.wandb.mode, "offline, online or disabled"),
+        (isinstance(t.checkpoint_every, int) and t.checkpoint_every >= 0, "trainer.checkpoint_every", t.checkpoint_every, "an integer >= 0"),
+        (t.resume in (None, "auto"), "trainer.resume", t.resume, "null or auto"),
     ]
     for ok, key, value, expected in checks:
         if not ok:
             raise ConfigError(f"{key}={value!r}: must be {expected}")
-    if cfg.topology.device == "cuda" and not torch.cuda.is_available():
+    if cfg.topology.device == "cuda" and not slurm.submits(cfg) and not torch.cuda.is_available():
         raise ConfigError(f"topology.device=cuda (topology={cfg.topology.name}): no CUDA device here")
     return shape
+
+
+def check_run_dir(cfg, shape, run_dir: str) -> None:
+    """Writable, and not holding another run's records unless this run resumes it."""
+    path = Path(run_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".fldp-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"hydra.run.dir={run_dir}: not writable ({e.strerror})") from e
+    if (path / "metrics.jsonl").exists() and cfg.trainer.resume != "auto":
+        raise ConfigError(f"hydra.run.dir={run_dir} already holds a run's metrics.jsonl: continue it "
+                          f"with trainer.resume=auto, or choose another hydra.run.dir")
+    saved = latest(path) if cfg.trainer.resume == "auto" else None
+    if saved is not None:
+        meta = json.loads((saved / "meta.json").read_text())
+        if (meta["federation"], meta["replicate"], meta["shard"]) != (shape.federation, shape.replicate, shape.shard):
+            raise ConfigError(f"trainer.resume=auto: {saved} was saved with mesh {meta['federation']}x"
+                              f"{meta['replicate']}x{meta['shard']}, this run has {shape}; resume with the "
+                              f"same mesh.* or use a new hydra.run.dir")
 
 
 def check_vocab(cfg, blocks) -> None:
@@ -57,7 +82,7 @@ def check_vocab(cfg, blocks) -> None:
 
 
 def _rank(cfg, run_dir, blocks, device):
-    from .trainer import train  # imported in the workers only: keeps the parent light
+    from .trainer import train  # transformers: imported after validation, so bad configs fail fast
 
     train(cfg, run_dir, blocks, device)
 
@@ -65,9 +90,14 @@ def _rank(cfg, run_dir, blocks, device):
 def run(cfg: DictConfig, run_dir: str) -> dict | None:
     shape = validate(cfg)
     env = launch.from_environment()
+    if env is None and slurm.submits(cfg):  # one SLURM job; the ranks run this function again inside it
+        check_run_dir(cfg, shape, run_dir)
+        return slurm.submit(cfg, run_dir, shape)
     if env is None:
+        check_run_dir(cfg, shape, run_dir)
         blocks = prepare(cfg.dataset)
         check_vocab(cfg, blocks)
+        from . import trainer  # noqa: F401  (import once here, not in each of the forked workers)
         log.info("%s on %s: mesh %s (federation x replicate x shard), %d local workers, records in %s",
                  cfg.algorithm.name, cfg.topology.name, shape, shape.world, run_dir)
         launch.run_local(_rank, (cfg, run_dir, blocks), shape.world, cfg.topology.device, cfg.cluster)
@@ -77,18 +107,18 @@ def run(cfg: DictConfig, run_dir: str) -> dict | None:
     if env.world != shape.world:
         raise ConfigError(f"WORLD_SIZE={env.world} from the launcher, but mesh {shape} needs {shape.world} ranks")
     device = launch.init_process_group(env, cfg.topology.device, cfg.cluster.timeout_s)
-    try:
-        if env.rank == 0:  # tokenise once; the others read the cache
-            blocks = prepare(cfg.dataset)
-        dist.barrier()
-        if env.rank != 0:
-            blocks = prepare(cfg.dataset)
-        check_vocab(cfg, blocks)
-        shared = [run_dir]
-        dist.broadcast_object_list(shared, src=0)  # ranks may disagree on Hydra's timestamped dir
-        _rank(cfg, shared[0], blocks, device)
-    finally:
-        dist.destroy_process_group()
+    if env.rank == 0:  # tokenise once; the others read the cache
+        blocks = prepare(cfg.dataset)
+    dist.barrier()
+    if env.rank != 0:
+        blocks = prepare(cfg.dataset)
+    check_vocab(cfg, blocks)
+    shared = [run_dir]
+    dist.broadcast_object_list(shared, src=0)  # ranks may disagree on Hydra's timestamped dir
+    _rank(cfg, shared[0], blocks, device)
+    # Torn down on success only: a failing rank leaves with its connections open, so it reports its
+    # error before its peers fail of the lost connection (the launcher reports the earliest error).
+    dist.destroy_process_group()
     return None
 
 
@@ -98,7 +128,11 @@ def main(cfg: DictConfig) -> dict | None:
         summary = run(cfg, HydraConfig.get().runtime.output_dir)
     except (ConfigError, launch.WorkerError) as e:
         if HydraConfig.get().mode == RunMode.MULTIRUN:
-            raise  # Hydra records this point of the sweep as failed; the others go on
+            # Hydra records this point as failed and runs the others; only at the end does it raise
+            # the first failure, so say now which point failed and why.
+            log.error("sweep point #%s (%s) failed: %s", HydraConfig.get().job.num,
+                      " ".join(HydraConfig.get().overrides.task), e)
+            raise
         print(f"fldp: {'config error' if isinstance(e, ConfigError) else 'run failed'}: {e}", file=sys.stderr)
         sys.exit(2 if isinstance(e, ConfigError) else 1)
     if summary:

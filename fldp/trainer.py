@@ -5,6 +5,7 @@ everything else (data, model, optimiser, schedule, timing, records) is shared.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -13,8 +14,11 @@ import torch.distributed as dist
 from transformers import get_cosine_schedule_with_warmup
 
 from .aggregation import FedAvg, FedAvgConfig
+from .checkpoint import Checkpointer, latest
+from .comm import CommMeter
+from .cost import tier_bandwidth
 from .data import Blocks, RankBatches
-from .mesh import ConfigError, build_mesh, group_mesh, mesh_shape
+from .mesh import DIMS, ConfigError, build_mesh, group_mesh, mesh_shape
 from .model import DTYPES, build_model, init_weights, llama_config, parallelize
 from .records import PHASES, Recorder
 
@@ -94,6 +98,18 @@ def evaluate(model, cfg, blocks: Blocks, device) -> tuple[float, float]:
     return (rows[:, 0].sum() / rows[:, 1].sum()).item(), rows[:, 2].max().item()
 
 
+def sharded_model(cfg, vocab_size: int, mesh, device: torch.device):
+    """The Llama of cfg.model, sharded with FSDP2 over `mesh` (this rank's federation group).
+    Same seed everywhere: every rank builds the same model, so every group starts identical."""
+    torch.manual_seed(cfg.seed)
+    meta = cfg.model.init_device == "meta"
+    model = build_model(llama_config(cfg.model, vocab_size), "meta" if meta else device)
+    model = parallelize(model, mesh, DTYPES[cfg.trainer.precision])
+    if meta:
+        init_weights(model, device)
+    return model
+
+
 def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None) -> dict | None:
     """Run one experiment on this rank (the process group is initialised). Rank 0 writes the
     records and returns the summary. `on_step(step, model, aggregated)`, if given, runs on every
@@ -103,57 +119,69 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None)
     mesh = build_mesh(shape, device.type)
     steps = total_steps(cfg, blocks, world)
 
-    # Same seed everywhere: every rank builds the same full model before sharding it.
-    torch.manual_seed(cfg.seed)
-    meta = cfg.model.init_device == "meta"
-    model = build_model(llama_config(cfg.model, blocks.vocab_size), "meta" if meta else device)
-    model = parallelize(model, group_mesh(mesh, shape), DTYPES[cfg.trainer.precision])
-    if meta:
-        init_weights(model, device)
+    model = sharded_model(cfg, blocks.vocab_size, group_mesh(mesh, shape), device)
 
     fedavg_cfg = FedAvgConfig.from_algorithm(cfg.algorithm)
     fedavg = FedAvg(model, mesh, shape, fedavg_cfg, last_step=steps) if fedavg_cfg else None
-    if fedavg is not None:
-        fedavg.synchronise()  # all groups start from identical weights
-
     optimizer = build_optimizer(model, cfg.optimizer)
     scheduler = get_cosine_schedule_with_warmup(optimizer, int(cfg.optimizer.warmup * steps), steps)
-    batches = iter(RankBatches(blocks.train, cfg.trainer.batch_size, rank, world, cfg.seed))
+
+    start = 0
+    checkpointer = None
+    if cfg.trainer.checkpoint_every or cfg.trainer.resume:
+        checkpointer = Checkpointer(run_dir, shape, cfg.algorithm.name, cfg.trainer.checkpoint_every, steps)
+        resume_from = latest(run_dir) if cfg.trainer.resume == "auto" else None
+        if resume_from is not None:
+            start = checkpointer.load(resume_from, model, optimizer, scheduler)
+    if fedavg is not None and start == 0:
+        fedavg.synchronise()  # all groups start from identical weights
+
+    batches = RankBatches(blocks.train, cfg.trainer.batch_size, rank, world, cfg.seed).stream(start)
     tokens_per_step = world * cfg.trainer.batch_size * blocks.train.shape[1]
-    recorder = Recorder(run_dir, cfg, steps, cfg.trainer.progress) if rank == 0 else None
+    recorder = Recorder(run_dir, cfg, steps, cfg.trainer.progress, resume_from=start) if rank == 0 else None
     timer = PhaseTimer(device)
-    train_time, row = 0.0, {}
+    train_time, row = (recorder.train_time, recorder.last_row) if recorder else (0.0, {})
+    # counts every collective of the step per mesh dimension; with emulation, slows each down to
+    # bytes / bandwidth of the network tier its group crosses
+    emulated = tier_bandwidth(cfg.topology.network, shape, cfg.comm.scale) if cfg.comm.emulate else None
+    meter = CommMeter(mesh, emulated) if cfg.comm.measure or cfg.comm.emulate else None
+    counted = [f"{kind}_{d}" for kind in ("bytes", "collectives") for d in DIMS] if meter else []
 
-    for step in range(1, steps + 1):
-        timer.start()
-        x = next(batches).to(device)
-        lr = scheduler.get_last_lr()[0]
-        loss = model(input_ids=x, labels=x).loss
-        timer.lap("forward")
-        loss.backward()
-        timer.lap("backward")
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        timer.lap("optimizer")
-        aggregated = fedavg is not None and fedavg.due(step)
-        if aggregated:
-            fedavg()
-            timer.lap("aggregation")
-        else:
-            timer.times["aggregation"] = 0.0  # the phase did not run this step
+    for step in range(start + 1, steps + 1):
+        with meter or contextlib.nullcontext():
+            timer.start()
+            x = next(batches).to(device)
+            lr = scheduler.get_last_lr()[0]
+            loss = model(input_ids=x, labels=x).loss
+            timer.lap("forward")
+            loss.backward()
+            timer.lap("backward")
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            timer.lap("optimizer")
+            aggregated = fedavg is not None and fedavg.due(step)
+            if aggregated:
+                fedavg()
+                timer.lap("aggregation")
+            else:
+                timer.times["aggregation"] = 0.0  # the phase did not run this step
+        comm = meter.take() if meter else {}
 
-        # Outside the timed phases: mean loss over ranks, phase times as the slowest rank's.
-        stats = _all_ranks([loss.item()] + [timer.times[p] for p in PHASES] + [timer.total()], device)
+        # Outside the timed phases: mean loss over ranks; times and bytes as the largest rank's.
+        stats = _all_ranks([loss.item(), *(timer.times[p] for p in PHASES), timer.total(),
+                            *(comm[k] for k in counted)], device)
         mean_loss = stats[:, 0].mean().item()
         if not math.isfinite(mean_loss):
             raise FloatingPointError(f"non-finite loss ({mean_loss}) at step {step}: stopping")
-        slowest = stats[:, 1:].max(dim=0).values.tolist()
-        train_time += slowest[-1]
+        largest = stats[:, 1:].max(dim=0).values.tolist()
+        times, step_time, counts = largest[:len(PHASES)], largest[len(PHASES)], largest[len(PHASES) + 1:]
+        train_time += step_time
         row = {"step": step, "loss": mean_loss, "perplexity": math.exp(mean_loss), "lr": lr,
                "tokens": step * tokens_per_step,
-               **{f"time_{p}": t for p, t in zip(PHASES, slowest)}, "time_step": slowest[-1],
-               "aggregated": aggregated}
+               **{f"time_{p}": t for p, t in zip(PHASES, times)}, "time_step": step_time,
+               "aggregated": aggregated,
+               **{k: (int(v) if k.startswith("collectives") else v) for k, v in zip(counted, counts)}}
         if recorder:
             recorder.log(row)
         if on_step is not None:
@@ -163,6 +191,8 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None)
             if recorder:
                 recorder.log({"split": "eval", "step": step, "loss": eval_loss,
                               "perplexity": math.exp(eval_loss), "time_eval": eval_time})
+        if checkpointer is not None and checkpointer.due(step):
+            checkpointer.save(step, model, optimizer, scheduler)
 
     eval_loss, eval_time = evaluate(model, cfg, blocks, device)
     if recorder is None:
@@ -176,6 +206,7 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None)
         "world_size": world, "seed": cfg.seed, "steps": steps, "topology": cfg.topology.name,
         "model": cfg.model.name, "dataset": cfg.dataset.name, "precision": cfg.trainer.precision,
         "batch_size": cfg.trainer.batch_size, "tokens": steps * tokens_per_step,
+        "comm_emulated": bool(cfg.comm.emulate), "comm_scale": cfg.comm.scale if cfg.comm.emulate else None,
         "train_time_s": train_time, "train_loss": row["loss"], "train_perplexity": row["perplexity"],
         "eval_loss": eval_loss, "eval_perplexity": math.exp(eval_loss), "eval_time_s": eval_time,
     }

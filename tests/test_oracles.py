@@ -18,7 +18,7 @@ def single_process(cfg):
     model = build_model(llama_config(cfg.model, blocks.vocab_size))
     optimizer = build_optimizer(model, cfg.optimizer)
     scheduler = get_cosine_schedule_with_warmup(optimizer, int(cfg.optimizer.warmup * STEPS), STEPS)
-    ranks = [iter(RankBatches(blocks.train, cfg.trainer.batch_size, r, WORLD, cfg.seed)) for r in range(WORLD)]
+    ranks = [RankBatches(blocks.train, cfg.trainer.batch_size, r, WORLD, cfg.seed).stream() for r in range(WORLD)]
     losses = []
     for _ in range(STEPS):
         x = torch.cat([next(it) for it in ranks])

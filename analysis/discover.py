@@ -1,0 +1,76 @@
+"""Turn the RUNS arguments of `analysis.report` into runs: a run directory, any directory holding
+run directories (a Hydra multirun, `outputs/`), an offline W&B run folder, or `wandb:ENTITY/PROJECT`.
+
+A run directory's JSONL records are the source of truth: its `wandb/` folder is never read. An
+offline W&B folder is read only when it is named itself, or sits in a tree with no JSONL records."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .records import RecordError, Run, load_run_dir
+from .wandb_records import is_offline_folder, read_offline, read_project
+
+WANDB_PREFIX = "wandb:"
+_SKIP = {"wandb", ".hydra", "__pycache__", ".git", ".venv"}
+
+
+def _is_run_dir(path: Path) -> bool:
+    """Anything a training run leaves behind, even one that crashed before its first step."""
+    return any((path / f).exists() for f in ("metrics.jsonl", "summary.json", ".hydra/config.yaml"))
+
+
+def _walk(root: Path, keep) -> list[Path]:
+    """Directories under root (root included) for which keep() holds, not descending into them."""
+    if keep(root):
+        return [root]
+    found = []
+    for child in sorted(p for p in root.iterdir() if p.is_dir() and p.name not in _SKIP):
+        found += _walk(child, keep)
+    return found
+
+
+def _offline_folders(root: Path) -> list[Path]:
+    if is_offline_folder(root):
+        return [root]
+    return sorted(p for p in root.rglob("*-run-*") if is_offline_folder(p))
+
+
+def collect(args: list[str]) -> tuple[list[Run], list[str]]:
+    """Healthy runs, and one message per argument or run that could not be used."""
+    runs, problems = [], []
+
+    def load(fn, path):
+        try:
+            runs.append(fn(path))
+        except RecordError as e:
+            problems.append(str(e))
+
+    for arg in args:
+        if arg.startswith(WANDB_PREFIX):
+            try:
+                found, bad = read_project(arg[len(WANDB_PREFIX):])
+            except Exception as e:  # no network, no login, no such project
+                problems.append(f"{arg}: W&B public API failed: {e}")
+                continue
+            runs += found
+            problems += bad
+            continue
+        root = Path(arg)
+        if not root.is_dir():
+            problems.append(f"{arg}: no such directory")
+            continue
+        if is_offline_folder(root):
+            load(read_offline, root)
+            continue
+        dirs = _walk(root, _is_run_dir)
+        if dirs:
+            for d in dirs:
+                load(load_run_dir, d)
+            continue
+        folders = _offline_folders(root)
+        if not folders:
+            problems.append(f"{arg}: no run records (metrics.jsonl, summary.json, .hydra/ or a W&B "
+                            f"offline run) in this directory")
+        for folder in folders:
+            load(read_offline, folder)
+    return runs, problems

@@ -1,0 +1,185 @@
+"""`python -m analysis.report RUNS... --out DIR`: Tables 3 and 4 (Markdown, LaTeX, CSV), the
+perplexity figure (PNG, PDF), the headline ratios and the paper's findings, reproduced or not,
+from run records, beside the paper's published values; `report.md` gathers them.
+
+RUNS: run directories, directories holding them (a Hydra multirun), offline W&B run folders, or
+`wandb:ENTITY/PROJECT` (online, public API). Unusable runs are named and skipped."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from . import claims, paper as paper_values, render, tables
+from .discover import collect
+from .figure import perplexity_figure, save
+from .records import Run
+
+# Summary/config keys that differ between algorithms by design (they ARE the algorithm).
+_ALGORITHM_KEYS = ("algorithm", "federation", "replicate", "shard", "every", "fedavg_mode", "config.algorithm.")
+
+
+@dataclass
+class Report:
+    out: Path
+    runs: list[Run]
+    problems: list[str]
+    files: list[Path] = field(default_factory=list)
+    figure: object = None
+
+
+def _write(report: Report, name: str, text: str) -> None:
+    path = report.out / name
+    path.write_text(text)
+    report.files.append(path)
+
+
+def shared_setup(runs: list[Run]) -> dict[str, list]:
+    """Setup keys whose value is not the same in every run (the algorithm's own keys aside)."""
+    setups = [tables.setup(r) for r in runs]
+    keys = sorted(set().union(*setups))
+    differ = {}
+    for k in keys:
+        if k.startswith(_ALGORITHM_KEYS):
+            continue
+        values = {repr(s[k]) for s in setups if k in s}  # absent = unknown (older records)
+        if len(values) > 1:
+            differ[k] = sorted(values)
+    return differ
+
+
+def _table_files(report: Report, stem: str, numeric: pd.DataFrame, headers: dict, decimals: int,
+                 caption: str) -> str:
+    md = render.markdown(render.cells(numeric, headers, decimals))
+    _write(report, f"{stem}.md", md)
+    _write(report, f"{stem}.tex", render.latex(render.cells(numeric, headers, decimals, tex=True),
+                                               caption, f"tab:{stem}"))
+    _write(report, f"{stem}.csv", numeric.to_csv(index=False))
+    return md
+
+
+def _ratio_md(df: pd.DataFrame) -> str:
+    show = pd.DataFrame({
+        "ratio": df["ratio"],
+        "runs (mean ± std over seeds)": [render.cell(m, s) if m == m else "n/a"
+                                         for m, s in zip(df["runs_mean"], df["runs_std"])],
+        "seeds": df["seeds"],
+        "paper (quoted)": df["paper_quoted"].map("{:.2f}".format),
+        "paper (from Table 3)": df["paper_table3"].map("{:.2f}".format),
+        "same side of 1": df["same_side_of_1"].map({True: "yes", False: "no", None: "n/a",
+                                                    "tie": f"tie (within {claims.TIE:.0%} of 1)"}),
+    })
+    return render.markdown(show)
+
+
+def build(runs: list[Run], problems: list[str], out: Path, paper: dict, command: str) -> Report:
+    out.mkdir(parents=True, exist_ok=True)
+    report = Report(out, runs, problems)
+    t3, t4 = tables.table3(runs), tables.table4(runs)
+    md3 = _table_files(report, "table3", t3, render.HEADERS3, 2,
+                       "Training and evaluation perplexity and time per algorithm (mean and std across seeds)")
+    md4 = _table_files(report, "table4", t4, render.HEADERS4, 3,
+                       "Per-step training time by phase [s], mean and std over steps (seeds pooled); "
+                       "in brackets: std across seeds of the per-seed mean")
+    _write(report, "runs.csv", tables.per_run(runs).to_csv(index=False))  # one row per run
+
+    report.figure = perplexity_figure(runs)
+    report.files += save(report.figure, out)
+
+    values, notes = claims.run_values(runs)
+    for (label, seed), n in tables.per_run(runs).groupby(["label", "seed"]).size().items():
+        if n > 1:  # still averaged, but they are repeats, not independent seeds
+            notes.append(f"{label}: {n} runs share seed {seed}")
+    ratios = claims.ratios(paper, values)
+    notes += claims.quote_notes(ratios)
+    _write(report, "ratios.csv", ratios.to_csv(index=False))
+    ratio_md = _ratio_md(ratios)
+    _write(report, "ratios.md", ratio_md)
+    found = claims.findings(paper, values, runs)
+    _write(report, "findings.csv", found.to_csv(index=False))
+    findings_md = render.markdown(found[["finding", "paper", "runs", "seeds holding", "verdict"]])
+    _write(report, "findings.md", findings_md)
+
+    _write(report, "report.md", _report_md(report, paper, command, t3, md3, md4, ratio_md, findings_md,
+                                           found, notes))
+    return report
+
+
+def _report_md(report, paper, command, t3, md3, md4, ratio_md, findings_md, found, notes) -> str:
+    runs = report.runs
+    seeds = ", ".join(f"{row.label} {row.seeds}" for row in t3.itertuples())
+    differ = shared_setup(runs)
+    setup_line = ("identical in every run, apart from the algorithm and its mesh" if not differ else
+                  "NOT identical: " + "; ".join(f"`{k}` takes {', '.join(v)}" for k, v in differ.items()))
+    first = runs[0].summary
+    tally = {k: sum(v.startswith(k) for v in found["verdict"])
+             for k in ("reproduced", "not reproduced", "mixed", "not tested")}
+    lines = [
+        "# Tables 3-4 and Figure 2, regenerated",
+        "",
+        f"Generated {datetime.date.today().isoformat()} by `{command}`.",
+        f"{len(runs)} runs read (seeds per configuration: {seeds}); {len(report.problems)} skipped.",
+        f"Setup of the first run: {first.get('model')} on {first.get('topology')} "
+        f"({first.get('world_size')} ranks), {first.get('dataset')}, {first.get('steps')} steps, "
+        f"precision {first.get('precision')}. Hyper-parameters: {setup_line}.",
+        f"Paper values from `analysis/paper_values.json`: {paper['source']}",
+        "",
+    ]
+    if report.problems:
+        lines += ["Skipped runs:", ""] + [f"- {p}" for p in report.problems] + [""]
+    if notes:
+        lines += ["Notes:", ""] + [f"- {n}" for n in notes] + [""]
+    lines += [
+        "## Findings of the paper: reproduced or not", "",
+        f"{tally['reproduced']} reproduced, {tally['not reproduced']} not reproduced, {tally['mixed']} "
+        f"mixed across seeds, {tally['not tested']} not tested, of {len(found)}. A finding holds when it "
+        f"holds on the mean over seeds and in every seed; values within {claims.TIE:.0%} of each other "
+        "are a tie, which no ordering claim survives.", "",
+        findings_md, "",
+        "## Headline ratios", "", ratio_md,
+        "Runs: the ratio in each seed (same seed = same initial weights and data order), then mean ± std.",
+        "", "## Table 3", "", md3,
+        "Train perplexity: the last step's; train time: the sum of the step times; eval perplexity and "
+        "time: `summary.json`. Cells: mean ± std across seeds (std omitted for one seed).", "",
+        "Paper (512 GPUs, Llama 3.1 8B):", "",
+        render.markdown(render.cells(tables.paper_table3(paper), render.HEADERS3, 2)), "",
+        "## Table 4", "", md4,
+        "Seconds per training step; mean ± std over all steps of all seeds; in brackets the std "
+        "across seeds of the per-seed mean.", "",
+        "Paper:", "",
+        render.markdown(render.cells(tables.paper_table4(paper), render.HEADERS4, 2)), "",
+        "## Figure 2", "", "![training perplexity against wall-clock minutes](figure2.png)", "",
+        "Paper's Figure 2: " + paper["figure2"], "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m analysis.report", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", metavar="RUNS")
+    parser.add_argument("--out", required=True, type=Path, help="directory for the tables, figure and report")
+    parser.add_argument("--paper", default=None, help="paper values (default: analysis/paper_values.json)")
+    parser.add_argument("--strict", action="store_true", help="exit 1 if any run had to be skipped")
+    args = parser.parse_args(argv)
+
+    runs, problems = collect(args.runs)
+    for p in problems:
+        print(f"analysis.report: skipped {p}", file=sys.stderr)
+    if not runs:
+        print("analysis.report: no usable runs, nothing written", file=sys.stderr)
+        return 1
+    command = "python -m analysis.report " + shlex.join(argv if argv is not None else sys.argv[1:])
+    report = build(runs, problems, args.out, paper_values.load(args.paper), command)
+    print(f"analysis.report: {len(runs)} runs, {len(problems)} skipped; wrote "
+          + ", ".join(p.name for p in report.files) + f" in {args.out}")
+    return 1 if args.strict and problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""Communication benchmark, printed from one run on this machine (not a timed test):
+
+(a) FedAvg's aggregation time against one flat all-reduce of the same bytes on the same
+    federation group (goal: <= 1.15x): what bucketing costs beyond the collective itself.
+(b) With emulated Leonardo-like tiers (comm.emulate=true), the measured step-time ratios
+    FSDP / FL+FSDP and HSDP / FL+FSDP on local_8, beside the cost model's prediction for the same
+    meshes (goal: within 15%). Prediction = the same algorithm's measured step time without
+    emulation (compute) + the byte-exact model's communication time on the emulated tiers.
+
+    python experiments/bench_comm.py [--scale 2e-4] [--steps 16] [--repeats 10]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import fldp  # noqa: E402,F401
+from fldp.aggregation import FedAvg, FedAvgConfig  # noqa: E402
+from fldp.cost import model_units, predict, tier_bandwidth  # noqa: E402
+from fldp.launch import run_local  # noqa: E402
+from fldp.mesh import MeshShape, build_mesh, group_mesh, mesh_shape  # noqa: E402
+from fldp.model import build_model, llama_config, parallelize  # noqa: E402
+
+
+def compose_cfg(*overrides):
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+# ---------------------------------------------------------------- (a) FedAvg vs flat all-reduce
+def _fedavg_worker(repeats, out, device):
+    shape = MeshShape(2, 1, 2)
+    mesh = build_mesh(shape, "cpu")
+    cfg = compose_cfg("model.hidden_size=256", "model.intermediate_size=704", "model.num_hidden_layers=4")
+    torch.manual_seed(0)
+    model = parallelize(build_model(llama_config(cfg.model, 4096)), group_mesh(mesh, shape), torch.float32)
+    fedavg = FedAvg(model, mesh, shape, FedAvgConfig(every=1), last_step=1)
+    numel = sum(t.numel() for bucket in fedavg.buckets for t in bucket)
+    flat = torch.randn(numel)
+    group = mesh["federation"].get_group()
+
+    def flat_allreduce():
+        dist.all_reduce(flat, group=group)
+        flat.div_(shape.federation)
+
+    times = {"fedavg": [], "flat": []}
+    for i in range(repeats + 1):  # alternate, first pair is warm-up
+        for name, fn in (("fedavg", fedavg), ("flat", flat_allreduce)):
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            took = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)
+            if i:
+                times[name].append(took.item())
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps({"bytes": numel * 4, "buckets": len(fedavg.buckets), **times}))
+
+
+def bench_fedavg(repeats: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "fedavg.json"
+        run_local(_fedavg_worker, (repeats, str(out)), 4, "cpu",
+                  OmegaConf.create({"master_addr": "127.0.0.1", "master_port": None,
+                                    "timeout_s": 300, "threads_per_worker": 1}))
+        r = json.loads(out.read_text())
+    fed, flat = statistics.median(r["fedavg"]), statistics.median(r["flat"])
+    pairs = sorted(a / b for a, b in zip(r["fedavg"], r["flat"]))
+    print(f"(a) FedAvg of {r['bytes'] / 2**20:.1f} MiB per rank in {r['buckets']} bucket(s), F=2 groups, "
+          f"{repeats} paired repeats")
+    print(f"    FedAvg median {fed * 1e3:.1f} ms, flat all-reduce median {flat * 1e3:.1f} ms")
+    print(f"    ratio FedAvg / flat: median {fed / flat:.3f} (pairwise min {pairs[0]:.3f}, max {pairs[-1]:.3f})"
+          f"   goal <= 1.15: {'MET' if fed / flat <= 1.15 else 'NOT MET'}")
+
+
+# ---------------------------------------------------------------- (b) emulated tiers
+def _run(algorithm: str, steps: int, emulate: bool, scale: float, tmp: Path) -> float:
+    """Mean step time of one run (step 1, with its one-off start-up costs, left out)."""
+    run_dir = tmp / f"{algorithm}-{'emu' if emulate else 'plain'}"
+    subprocess.run([sys.executable, "-m", "fldp.train", f"algorithm={algorithm}", "topology=local_8",
+                    f"trainer.steps={steps}", "algorithm.every=8", f"comm.emulate={emulate}",
+                    f"comm.scale={scale}", "wandb.mode=disabled", "trainer.progress=false",
+                    "trainer.eval_batches=1", f"hydra.run.dir={run_dir}"], check=True, cwd=ROOT,
+                   capture_output=True)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return statistics.fmean(r["time_step"] for r in rows if r.get("split") is None and r["step"] > 1)
+
+
+def bench_tiers(steps: int, scale: float) -> None:
+    algorithms = ("fsdp", "hsdp", "fl_fsdp")
+    measured, predicted = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for algorithm in algorithms:
+            cfg = compose_cfg(f"algorithm={algorithm}", "algorithm.every=8", f"comm.scale={scale}")
+            shape = mesh_shape(cfg)
+            units = model_units(build_model(llama_config(cfg.model, 4096), "meta"), torch.float32)
+            bandwidth = tier_bandwidth(cfg.topology.network, shape, scale)
+            comm = predict(units, shape, bandwidth, cfg.algorithm.every if algorithm.startswith("fl_") else None)
+            compute = _run(algorithm, steps, False, scale, Path(tmp))
+            measured[algorithm] = _run(algorithm, steps, True, scale, Path(tmp))
+            predicted[algorithm] = compute + sum(comm.exact.values())
+            print(f"    {algorithm:8s} mesh {shape}: step {measured[algorithm]:.3f} s measured, "
+                  f"{predicted[algorithm]:.3f} s predicted ({compute:.3f} s compute + "
+                  f"{sum(comm.exact.values()):.3f} s modelled communication)")
+    for num in ("fsdp", "hsdp"):
+        m, p = measured[num] / measured["fl_fsdp"], predicted[num] / predicted["fl_fsdp"]
+        err = abs(m / p - 1)
+        print(f"    {num.upper()} / FL+FSDP step time: measured {m:.2f}x, predicted {p:.2f}x, off by "
+              f"{err:.1%}   goal within 15%: {'MET' if err <= 0.15 else 'NOT MET'}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--scale", type=float, default=2e-4, help="emulated bandwidth = Leonardo's x scale")
+    args = ap.parse_args()
+    bench_fedavg(args.repeats)
+    print(f"(b) local_8 with emulated Leonardo-like tiers (node of 4 ranks: 800 Gbit/s, across nodes: "
+          f"200 Gbit/s, x {args.scale:g}), {args.steps} steps, A=8")
+    bench_tiers(args.steps, args.scale)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""The paper's communication cost model (Eq. 1-5, Table 2) as code, in two variants.
+
+- `paper`: the equations as printed. M is the layer shard size, and it is also passed as the
+  message size of the all-gather and reduce-scatter over S ranks: C_AG(M, S) = M (S-1) / (S B_S).
+- `exact`: what a ring collective really sends per rank, from the model's real FSDP2 units. An
+  all-gather of a layer split in S shards of M bytes sends (S-1) M per rank, S times the printed
+  term; FSDP2 pads each parameter's dim 0 to a multiple of S, so M is the padded shard; FedAvg
+  sends each rank's unpadded local shards, in `bucket_mb` buckets. The byte counts in
+  metrics.jsonl (fldp/comm.py) are checked against this variant, exactly.
+
+Bandwidths: each mesh dimension's groups span a block of consecutive ranks (shard: S, replicate:
+R*S, federation: F*R*S); B for the dimension is that of the smallest network tier holding the
+block (`topology.network`, innermost first). Contention between groups sharing a link is not
+modelled: the paper's B_n is a per-process bottleneck bandwidth, and so is this.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .aggregation import bucket_indices
+from .mesh import DIMS, MeshShape
+
+# the collectives' time costs, Table 1 (D: message bytes, n: processes, B: bytes/s)
+def C_AG(D, n, B): return D * (n - 1) / (n * B)          # noqa: E704
+def C_RS(D, n, B): return D * (n - 1) / (n * B)          # noqa: E704
+def C_AR(D, n, B): return 2 * D * (n - 1) / (n * B)      # noqa: E704
+def C_BC(D, n, B): return D / B                          # noqa: E704
+
+
+@dataclass(frozen=True)
+class Units:
+    """The model as FSDP2 shards it: one unit per decoder layer plus the root. Parameters are kept
+    in named_parameters order (FedAvg's bucketing follows it), each with its unit's index."""
+    params: tuple[tuple[tuple[int, ...], int], ...]  # (global shape, unit index)
+    element_size: int
+
+    @property
+    def L(self) -> int:
+        return len({unit for _, unit in self.params})
+
+    def total_bytes(self) -> int:
+        return sum(math.prod(shape) for shape, _ in self.params) * self.element_size
+
+    def padded_shard_bytes(self, S: int) -> list[int]:
+        """Per unit, the bytes one rank holds (and all-gathers) with FSDP2's dim-0 padding."""
+        out = [0] * self.L
+        for shape, unit in self.params:
+            out[unit] += math.ceil(shape[0] / S) * math.prod(shape[1:]) * self.element_size
+        return out
+
+    def local_shards(self, S: int, index: int) -> list[int]:
+        """Bytes of each parameter's unpadded local shard on shard index `index` (FedAvg's input)."""
+        out = []
+        for shape, _ in self.params:
+            chunk = math.ceil(shape[0] / S)
+            rows = max(0, min(chunk, shape[0] - index * chunk))
+            out.append(rows * math.prod(shape[1:]) * self.element_size)
+        return out
+
+
+def model_units(model, dtype: torch.dtype) -> Units:
+    """Units of a (meta-device) transformers Llama as parallelize() wraps it: each decoder layer
+    is a unit, the remaining parameters (embeddings, final norm, lm_head) the root unit."""
+    unit_of = {id(p): i for i, layer in enumerate(model.model.layers) for p in layer.parameters()}
+    root = len(model.model.layers)
+    params = tuple((tuple(p.shape), unit_of.get(id(p), root)) for _, p in model.named_parameters())
+    return Units(params=params, element_size=torch.empty((), dtype=dtype).element_size())
+
+
+def tier_bandwidth(network, shape: MeshShape, scale: float = 1.0) -> dict[str, float]:
+    """Bytes/s of each mesh dimension: the smallest tier whose block of ranks holds its groups."""
+    extent = {"shard": shape.shard, "replicate": shape.replicate * shape.shard, "federation": shape.world}
+    out = {}
+    for dim in DIMS:
+        tier = next((t for t in network if t["ranks"] >= extent[dim]), network[-1])
+        out[dim] = tier["gbit_s"] * 1e9 / 8 * scale
+    return out
+
+
+@dataclass
+class Prediction:
+    shape: MeshShape
+    every: int | None
+    # per step, per rank: bytes sent on each dimension (aggregation amortised over A steps)
+    bytes_per_step: dict[str, float] = field(default_factory=dict)
+    # on a step with / without aggregation: bytes and collectives per dimension
+    step_bytes: dict[str, float] = field(default_factory=dict)
+    step_collectives: dict[str, int] = field(default_factory=dict)
+    aggregation_bytes: dict[str, float] = field(default_factory=dict)
+    aggregation_collectives: dict[str, int] = field(default_factory=dict)
+    # seconds per step, per term, for both variants
+    paper: dict[str, float] = field(default_factory=dict)
+    exact: dict[str, float] = field(default_factory=dict)
+
+    def expected_row(self, aggregated: bool) -> dict:
+        """The bytes_*/collectives_* fields metrics.jsonl must show for one step (rank 0 = the
+        maximum over ranks: shard index 0 holds the largest local shards, replica 0 leads)."""
+        row = {}
+        for d in DIMS:
+            extra_b = self.aggregation_bytes.get(d, 0.0) if aggregated else 0.0
+            extra_c = self.aggregation_collectives.get(d, 0) if aggregated else 0
+            row[f"bytes_{d}"] = self.step_bytes.get(d, 0.0) + extra_b
+            row[f"collectives_{d}"] = self.step_collectives.get(d, 0) + extra_c
+        return row
+
+
+def predict(units: Units, shape: MeshShape, bandwidth: dict[str, float], every: int | None = None,
+            mode: str = "leader_broadcast", bucket_mb: float = 25.0) -> Prediction:
+    F, R, S = shape.federation, shape.replicate, shape.shard
+    B_S, B_R, B_F = bandwidth["shard"], bandwidth["replicate"], bandwidth["federation"]
+    A = every or 1
+    federated = every is not None and F > 1
+    pred = Prediction(shape, every)
+
+    # --- paper variant: M L with M the (unpadded) layer shard size
+    ML = units.total_bytes() / S
+    pred.paper = {
+        "shard": 2 * C_AG(ML, S, B_S) + C_RS(ML, S, B_S),                        # Eq. 1
+        "replicate": C_AR(ML, R, B_R),                                           # Eq. 2
+        "federation": C_AR(ML, F, B_F) / A if federated else 0.0,                # Eq. 3-4
+        "broadcast": C_BC(ML, R, B_R) / A if federated and R > 1 and mode == "leader_broadcast" else 0.0,  # Eq. 5
+    }
+
+    # --- exact variant: FSDP2 units, padding, two all-gathers + one reduce-scatter per unit
+    padded = units.padded_shard_bytes(S)
+    L = units.L
+    if S > 1:
+        pred.step_bytes["shard"] = 3 * (S - 1) * sum(padded)
+        pred.step_collectives["shard"] = 3 * L
+    if R > 1:
+        pred.step_bytes["replicate"] = 2 * (R - 1) / R * sum(padded)
+        pred.step_collectives["replicate"] = L
+    if federated:
+        local = [b for b in units.local_shards(S, 0) if b]
+        buckets = len(bucket_indices([(b, None) for b in local], int(bucket_mb * 2**20)))
+        pred.aggregation_bytes["federation"] = 2 * (F - 1) / F * sum(local)
+        pred.aggregation_collectives["federation"] = buckets
+        if R > 1 and mode == "leader_broadcast":
+            pred.aggregation_bytes["replicate"] = (R - 1) / R * sum(local)
+            pred.aggregation_collectives["replicate"] = buckets
+    pred.bytes_per_step = {d: pred.step_bytes.get(d, 0.0) + pred.aggregation_bytes.get(d, 0.0) / A for d in DIMS}
+    fed_bcast = pred.aggregation_bytes.get("replicate", 0.0) / A
+    pred.exact = {
+        "shard": pred.step_bytes.get("shard", 0.0) / B_S,
+        "replicate": pred.step_bytes.get("replicate", 0.0) / B_R,
+        "federation": pred.aggregation_bytes.get("federation", 0.0) / A / B_F,
+        "broadcast": fed_bcast / B_R,
+    }
+    return pred
+
+
+# ---------------------------------------------------------------- CLI: python -m fldp.cost
+ALGORITHMS = ("fsdp", "hsdp", "fl_fsdp", "fl_hsdp")
+
+
+def paper_step_times() -> dict[str, float]:
+    """The paper's measured overall step times (Table 4), from analysis/paper_values.json."""
+    import json
+    from importlib.resources import files
+
+    table4 = json.loads((files("analysis") / "paper_values.json").read_text())["table4"]
+    overall = table4["columns"].index("overall")
+    return {a: row[overall] for a, row in table4["mean"].items()}
+
+
+def table(cfg) -> list[dict]:
+    """One row per algorithm, on the topology's layout for it."""
+    from .data import load_tokenizer
+    from .model import DTYPES, build_model, llama_config
+
+    vocab = cfg.model.vocab_size or len(load_tokenizer(str(cfg.dataset.tokenizer)))
+    dtype = DTYPES[cfg.trainer.precision]
+    units = model_units(build_model(llama_config(cfg.model, vocab), "meta"), dtype)
+    measured = paper_step_times() if cfg.topology.name == "leonardo_512" else {}
+    every = cfg.algorithm.every or 8
+    rows = []
+    for name in ALGORITHMS:
+        layout = cfg.topology.layouts[name]
+        shape = MeshShape(layout.federation, layout.replicate, layout.shard)
+        bandwidth = tier_bandwidth(cfg.topology.network, shape)
+        fed = every if name.startswith("fl_") else None
+        mode = (cfg.algorithm.get("fedavg") or {}).get("mode", "leader_broadcast")
+        pred = predict(units, shape, bandwidth, fed, mode)
+        paper_total, exact_total = sum(pred.paper.values()), sum(pred.exact.values())
+        rows.append({
+            "algorithm": name, "mesh": str(shape), "every": fed,
+            **{f"B_{d}_gbit_s": bandwidth[d] * 8 / 1e9 for d in DIMS},
+            **{f"paper_{k}_s": v for k, v in pred.paper.items()}, "paper_total_s": paper_total,
+            **{f"exact_{k}_s": v for k, v in pred.exact.items()}, "exact_total_s": exact_total,
+            "exact_over_paper": exact_total / paper_total if paper_total else None,
+            **{f"bytes_{d}_per_step": pred.bytes_per_step[d] for d in DIMS},
+            "measured_step_s": measured.get(name),
+        })
+    return rows
+
+
+def _print_table(cfg, rows) -> None:
+    import pandas as pd
+
+    df = pd.DataFrame(rows).set_index("algorithm")
+    gb = 1e9
+    units_note = f"model={cfg.model.name} ({cfg.trainer.precision}), topology={cfg.topology.name}, A={cfg.algorithm.every or 8}"
+    print(f"Predicted communication per training step, per rank [{units_note}]\n")
+    show = pd.DataFrame({
+        "mesh FxRxS": df["mesh"],
+        "B_S/B_R/B_F Gb/s": [f"{a:g}/{b:g}/{c:g}" for a, b, c in
+                             zip(df.B_shard_gbit_s, df.B_replicate_gbit_s, df.B_federation_gbit_s)],
+        "paper shard": df.paper_shard_s, "paper repl": df.paper_replicate_s,
+        "paper fed+bc": df.paper_federation_s + df.paper_broadcast_s, "paper total": df.paper_total_s,
+        "exact shard": df.exact_shard_s, "exact repl": df.exact_replicate_s,
+        "exact fed+bc": df.exact_federation_s + df.exact_broadcast_s, "exact total": df.exact_total_s,
+        "exact/paper": df.exact_over_paper,
+        "GB shard": df.bytes_shard_per_step / gb, "GB repl": df.bytes_replicate_per_step / gb,
+        "GB fed": df.bytes_federation_per_step / gb,
+    })
+    if df.measured_step_s.notna().any():
+        show["paper Table 4 step"] = df.measured_step_s
+    print(show.to_string(float_format=lambda x: f"{x:.4g}"))
+    print("\nseconds per step (aggregation amortised over A); 'paper' = Eq. 1-5 as printed, 'exact' = bytes a "
+          "ring collective sends per rank / B; GB = exact bytes sent per rank per step")
+
+
+def main() -> None:
+    import json
+    import sys
+
+    import hydra
+
+    as_json = "--json" in sys.argv
+    if as_json:
+        sys.argv.remove("--json")
+    # a calculation, not a run: no output directory, no log file
+    sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+
+    @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+    def _run(cfg) -> None:
+        rows = table(cfg)
+        if as_json:
+            print(json.dumps(rows, indent=2))
+        else:
+            _print_table(cfg, rows)
+
+    _run()
+
+
+if __name__ == "__main__":
+    main()

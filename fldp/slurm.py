@@ -1,0 +1,224 @@
+"""One experiment as ONE SLURM job: topology.nodes x topology.procs_per_node tasks, every task a
+rank. The job's shape comes from the topology and the cluster config (conf/cluster/slurm.yaml,
+leonardo.yaml); submission, and following the job to its end, go through submitit.
+
+Inside the job, fldp.launch.from_environment turns the srun task's SLURM variables into the
+torch.distributed world, with the rendezvous from `rendezvous()` below."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from .launch import WorkerError
+from .mesh import ConfigError, MeshShape
+
+log = logging.getLogger("fldp")
+
+# Ports for the rendezvous, below Linux's ephemeral range (32768+) so no outgoing socket holds one.
+_PORT_BASE, _PORT_SPAN = 12000, 20000
+
+
+def submits(cfg) -> bool:
+    """True when this process should submit the run rather than train: a SLURM cluster config,
+    and not already a task of a SLURM job step (then it is a rank, or forks the workers)."""
+    return cfg.cluster.get("launcher") == "slurm" and "SLURM_STEP_ID" not in os.environ
+
+
+# --- inside the job ---------------------------------------------------------------------------
+
+def first_node(nodelist: str) -> str:
+    """The first host of a SLURM node list: 'lrdn[0012-0015,0100],lrdn0200' -> 'lrdn0012'."""
+    m = re.match(r"([^,\[]*)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not m or not (m.group(1) or m.group(2)):
+        raise ValueError(f"cannot read a host from the SLURM node list {nodelist!r}")
+    prefix, ranges = m.group(1), m.group(2)
+    return prefix + re.split(r"[-,]", ranges)[0] if ranges else prefix
+
+
+def rendezvous(environ=os.environ) -> tuple[str, int]:
+    """MASTER_ADDR/MASTER_PORT when the job script exports them; otherwise the allocation's first
+    node, and a port every task derives alike from the job id (no communication needed)."""
+    addr = environ.get("MASTER_ADDR") or first_node(
+        environ.get("SLURM_STEP_NODELIST") or environ["SLURM_JOB_NODELIST"])
+    port = environ.get("MASTER_PORT") or _PORT_BASE + int(environ["SLURM_JOB_ID"]) % _PORT_SPAN
+    return addr, int(port)
+
+
+def run_rank(cfg, run_dir: str):
+    """What every task of a submitted job runs (pickled by submitit)."""
+    from .train import run
+
+    if cfg.cluster.master_addr:
+        os.environ["MASTER_ADDR"] = str(cfg.cluster.master_addr)
+    if cfg.cluster.master_port:
+        os.environ["MASTER_PORT"] = str(cfg.cluster.master_port)
+    return run(cfg, run_dir)
+
+
+# --- the job's shape --------------------------------------------------------------------------
+
+def job_setup(setup, cpus_per_task) -> list[str]:
+    """The cluster's setup lines, plus what every fldp job needs: one BLAS/OpenMP pool per rank
+    sized to its CPUs, and srun ending the whole step when one task dies (no rank waits for a
+    dead peer until the collective timeout)."""
+    return [*(setup or []), f"export OMP_NUM_THREADS={cpus_per_task or 1}", "export SLURM_KILL_BAD_EXIT=1"]
+
+
+def extra_sbatch(sbatch, exclusive) -> dict:
+    """sbatch options submitit has no parameter for (cluster.sbatch), and --exclusive."""
+    extra = dict(OmegaConf.to_container(sbatch, resolve=True) if OmegaConf.is_config(sbatch) else sbatch or {})
+    if exclusive:
+        extra["exclusive"] = True
+    return extra
+
+
+# The hydra-submitit-launcher config (conf/hydra/launcher/fldp_slurm.yaml) builds the same job.
+OmegaConf.register_new_resolver("fldp_job_setup", job_setup, replace=True)
+OmegaConf.register_new_resolver("fldp_extra_sbatch", extra_sbatch, replace=True)
+
+
+def job_parameters(cfg, shape: MeshShape) -> dict:
+    """submitit.SlurmExecutor parameters of the one job that runs `cfg`."""
+    c, t = cfg.cluster, cfg.topology
+    if t.device == "cuda":
+        if c.gpus_per_node is None:
+            raise ConfigError(f"cluster.gpus_per_node=null but topology={t.name} runs on cuda: set it to "
+                              f"topology.procs_per_node={t.procs_per_node} (one rank per GPU)")
+        if c.gpus_per_node != t.procs_per_node:
+            raise ConfigError(f"cluster.gpus_per_node={c.gpus_per_node} but topology.procs_per_node="
+                              f"{t.procs_per_node}: fldp runs one rank per GPU")
+    params = {
+        "job_name": f"fldp-{cfg.algorithm.name}-{t.name}",
+        "nodes": t.nodes, "ntasks_per_node": t.procs_per_node, "cpus_per_task": c.cpus_per_task,
+        "gpus_per_node": c.gpus_per_node if t.device == "cuda" else None,
+        "mem": f"{c.mem_gb}GB" if c.mem_gb else None, "time": c.time_min,
+        "partition": c.partition, "account": c.account, "qos": c.qos,
+        "setup": job_setup(c.setup, c.cpus_per_task),
+        "additional_parameters": extra_sbatch(c.sbatch, c.exclusive),
+    }
+    assert shape.world == t.nodes * t.procs_per_node  # validate() checked it
+    return {k: v for k, v in params.items() if v is not None}
+
+
+def job_folder_of(cfg, run_dir: str) -> Path:
+    """submitit's folder: pickles and per-task logs, one subfolder per job id."""
+    return Path(cfg.cluster.folder or Path(run_dir) / "slurm").absolute() / "%j"
+
+
+def sbatch_script(params: dict, job_folder: Path) -> str:
+    """The script submitit would hand to sbatch (its own renderer, so the dry run shows what a
+    real submission sends)."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    command = f"{sys.executable} -u -m submitit.core._submit {job_folder}"
+    return _make_sbatch_string(command=command, folder=job_folder, **params)
+
+
+def describe(cfg, shape: MeshShape, params: dict) -> str:
+    t, tr = cfg.topology, cfg.trainer
+    group_nodes = shape.group_size / t.procs_per_node
+    lines = [
+        f"mesh: {cfg.algorithm.name} {shape} (federation x replicate x shard) = {shape.world} ranks; "
+        f"a federation group is {shape.group_size} ranks ({group_nodes:g} node(s)), a sharding group "
+        f"{shape.shard} ranks" + (f"; FedAvg every {cfg.algorithm.every} steps" if shape.federation > 1 else ""),
+        f"run: model {cfg.model.name}, dataset {cfg.dataset.name}, {tr.precision}, batch {tr.batch_size} per "
+        f"rank, {tr.steps or 'one pass of'} steps, {cfg.optimizer.name} lr {cfg.optimizer.lr}, seed {cfg.seed}",
+        f"job: {t.nodes} nodes x {t.procs_per_node} tasks = {shape.world} tasks, one rank each"
+        f" ({'NCCL' if t.device == 'cuda' else 'gloo'}), partition {params.get('partition', '(default)')}, "
+        f"account {params.get('account', '(not set)')}, qos {params.get('qos', '(default)')}, "
+        f"{params['time']} min",
+    ]
+    return "\n".join(lines)
+
+
+# --- submission -------------------------------------------------------------------------------
+
+def submit(cfg, run_dir: str, shape: MeshShape) -> dict | None:
+    """Submit the run as one job. With cluster.wait, follow it and return rank 0's summary, or raise
+    WorkerError with the first failing rank's error; otherwise return once it is queued."""
+    params = job_parameters(cfg, shape)
+    if cfg.cluster.dry_run:
+        print(f"fldp: dry run (cluster={cfg.cluster.name}): nothing submitted\n{describe(cfg, shape, params)}\n"
+              f"records: {Path(run_dir).absolute()}\n--- sbatch script ---\n"
+              f"{sbatch_script(params, job_folder_of(cfg, run_dir))}", flush=True)
+        return None
+    job = submit_job(cfg, run_dir, shape)
+    if not cfg.cluster.wait:
+        print(f"fldp: submitted SLURM job {job.job_id} ({shape.world} ranks on {cfg.topology.nodes} nodes); "
+              f"records in {run_dir}; follow with `squeue -j {job.job_id}`, cancel with `scancel {job.job_id}`",
+              flush=True)
+        return None
+    try:
+        return follow(job, run_dir, cfg.cluster.poll_s)
+    except KeyboardInterrupt:
+        log.warning("stopped following job %s; it keeps running (scancel %s to stop it)", job.job_id, job.job_id)
+        raise
+
+
+def submit_job(cfg, run_dir: str, shape: MeshShape, fn=run_rank):
+    """sbatch the job that runs fn(cfg, run_dir) on every task; the submitit Job."""
+    if shutil.which("sbatch") is None or shutil.which("srun") is None:
+        raise ConfigError(f"cluster={cfg.cluster.name}: no SLURM reachable from here (sbatch/srun not on PATH); "
+                          f"run on the cluster's login node, add cluster.dry_run=true to see the job, or use "
+                          f"cluster=local")
+    import submitit
+
+    params = job_parameters(cfg, shape)
+    executor = submitit.SlurmExecutor(folder=job_folder_of(cfg, run_dir), max_num_timeout=0)
+    executor.update_parameters(**params)
+    try:
+        job = executor.submit(fn, cfg, str(Path(run_dir).absolute()))
+    except Exception as e:  # sbatch refused it: EnforcePartLimits, bad account/qos/partition
+        raise WorkerError(f"sbatch refused the job: {e}") from None
+    log.info("submitted SLURM job %s: %s; records in %s, logs in %s", job.job_id,
+             describe(cfg, shape, params).replace("\n", "; "), run_dir, job.paths.folder)
+    return job
+
+
+def follow(job, run_dir: str, poll_s: float) -> dict:
+    """Wait for the job to end, asking SLURM every poll_s (submitit alone would back off to minutes
+    between checks), then its outcome."""
+    state = None
+    while True:
+        now = job.watcher.get_state(job.job_id, mode="force")
+        if now != state:
+            state = now
+            log.info("job %s: %s", job.job_id, state)
+        if job.done():
+            return outcome(job, run_dir)
+        time.sleep(poll_s)
+
+
+def outcome(job, run_dir: str) -> dict:
+    """The summary of a job that completed, else WorkerError naming the FIRST rank that failed
+    (the others fail after it, of lost peers, or are killed by srun) or how SLURM ended the job."""
+    from submitit.core.utils import pickle_load
+
+    tasks = [job.task(t) for t in range(job.num_tasks)] if job.num_tasks > 1 else [job]
+    results, failures = {}, []
+    for rank, task in enumerate(tasks):
+        path = task.paths.result_pickle
+        if path.exists():
+            results[rank] = kind, payload = pickle_load(path)
+            if kind == "error":
+                failures.append((path.stat().st_mtime, rank, payload))
+    logs = f"logs: {job.paths.folder}"
+    if failures:
+        _, rank, tb = min(failures)  # earliest: the cause; later ones are its consequences
+        others = f"\n({len(failures) - 1} other ranks failed after it)" if len(failures) > 1 else ""
+        raise WorkerError(f"SLURM job {job.job_id}: rank {rank} failed first:\n{tb}{others}\n{logs}")
+    summary = Path(run_dir) / "summary.json"
+    if results.get(0, ("",))[0] == "success" and summary.exists():
+        return json.loads(summary.read_text())
+    state = job.watcher.get_state(job.job_id, mode="force")
+    tail = "\n".join((tasks[0].stderr() or "").strip().splitlines()[-15:])
+    raise WorkerError(f"SLURM job {job.job_id} ended {state} without a Python error and without records"
+                      + (f"; end of rank 0's stderr:\n{tail}" if tail else "") + f"\n{logs}")

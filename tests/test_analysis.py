@@ -1,0 +1,282 @@
+"""`analysis/` on records of real short runs (4 algorithms x 2 seeds on local_2, one with an offline
+W&B run): every table cell against the records, seed aggregation, the figure files and lines, the
+LaTeX, the ratios and findings, broken runs named and skipped, and the W&B readers."""
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from omegaconf import OmegaConf
+
+from analysis import paper, render, tables
+from analysis.discover import collect
+from analysis.records import RecordError, load_run_dir
+from analysis.report import build, main
+from analysis.wandb_records import read_offline, read_project
+from conftest import ROOT, compose_cfg, read_rows, train_world
+
+ALGOS = ("fsdp", "hsdp", "fl_fsdp", "fl_hsdp")
+SEEDS = (0, 1)
+PHASES = ("forward", "backward", "optimizer", "aggregation")
+STEPS, EVERY = 4, 2
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """A Hydra-multirun-like tree of real runs: <sweep>/<algorithm>_seed<N>/ with the records and
+    the run's config in .hydra/config.yaml, as `python -m fldp.train -m` leaves them."""
+    import fldp.trainer  # noqa: F401  (imported once here, so the forked workers need not)
+
+    root = tmp_path_factory.mktemp("sweep")
+    for algo in ALGOS:
+        for seed in SEEDS:
+            extra = [f"algorithm.every={EVERY}"] if algo.startswith("fl_") else []
+            wandb = ["wandb.mode=offline"] if (algo, seed) == ("fl_fsdp", 0) else []
+            cfg = compose_cfg(f"algorithm={algo}", "topology=local_2", f"trainer.steps={STEPS}",
+                              f"seed={seed}", "trainer.eval_batches=2", *extra, *wandb)
+            run_dir = root / f"{algo}_seed{seed}"
+            (run_dir / ".hydra").mkdir(parents=True)
+            OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
+            train_world(cfg, run_dir)
+    return root
+
+
+@pytest.fixture(scope="module")
+def report(sweep, tmp_path_factory):
+    runs, problems = collect([str(sweep)])
+    assert problems == [] and len(runs) == len(ALGOS) * len(SEEDS)
+    return build(runs, problems, tmp_path_factory.mktemp("report"), paper.load(), "test")
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def csv(report, name) -> pd.DataFrame:
+    return pd.read_csv(report.out / name).set_index("label")
+
+
+def test_table3_cells_are_the_records_across_seeds(sweep, report):
+    t3 = csv(report, "table3.csv")
+    md = (report.out / "table3.md").read_text()
+    for algo in ALGOS:
+        dirs = [sweep / f"{algo}_seed{s}" for s in SEEDS]
+        per_seed = {
+            "train_time_s": [sum(r["time_step"] for r in read_rows(d)) for d in dirs],
+            "train_perplexity": [read_rows(d)[-1]["perplexity"] for d in dirs],
+            "eval_perplexity": [summary(d)["eval_perplexity"] for d in dirs],
+            "eval_time_s": [summary(d)["eval_time_s"] for d in dirs],
+        }
+        row = t3.loc[tables.NAMES[algo]]
+        assert row["seeds"] == len(SEEDS)
+        for metric, values in per_seed.items():
+            assert row[f"{metric}_mean"] == pytest.approx(statistics.mean(values), rel=1e-12)
+            assert row[f"{metric}_std"] == pytest.approx(statistics.stdev(values), rel=1e-9)
+        # the summary's own total agrees with the sum of the step times
+        assert per_seed["train_time_s"] == pytest.approx([summary(d)["train_time_s"] for d in dirs])
+        cells = [f"{statistics.mean(v):.2f} ± {statistics.stdev(v):.2f}" for v in per_seed.values()]
+        assert f"| {tables.NAMES[algo]} | {len(SEEDS)} | {cells[1]} | {cells[0]} | {cells[2]} | {cells[3]} |" in md
+
+
+def test_table4_is_the_per_step_phase_times(sweep, report):
+    t4 = csv(report, "table4.csv")
+    for algo in ALGOS:
+        rows = {s: read_rows(sweep / f"{algo}_seed{s}") for s in SEEDS}
+        row = t4.loc[tables.NAMES[algo]]
+        for phase, key in [(p, f"time_{p}") for p in PHASES] + [("overall", "time_step")]:
+            pooled = [r[key] for s in SEEDS for r in rows[s]]
+            seed_means = [statistics.mean(r[key] for r in rows[s]) for s in SEEDS]
+            assert row[f"{phase}_mean"] == pytest.approx(statistics.mean(pooled), rel=1e-12)
+            assert row[f"{phase}_std"] == pytest.approx(statistics.stdev(pooled), rel=1e-9, abs=1e-15)
+            assert row[f"{phase}_seed_std"] == pytest.approx(statistics.stdev(seed_means), rel=1e-9, abs=1e-15)
+        if not algo.startswith("fl_"):
+            assert row["aggregation_mean"] == 0 and row["aggregation_std"] == 0
+    runs = pd.read_csv(report.out / "runs.csv")
+    assert sorted(zip(runs["algorithm"], runs["seed"])) == sorted((a, s) for a in ALGOS for s in SEEDS)
+
+
+def test_one_seed_has_no_spread(sweep, tmp_path):
+    runs, _ = collect([str(sweep / "fsdp_seed0"), str(sweep / "hsdp_seed1")])
+    rep = build(runs, [], tmp_path, paper.load(), "test")
+    t3 = csv(rep, "table3.csv")
+    assert list(t3["seeds"]) == [1, 1] and t3["train_time_s_std"].isna().all()
+    assert "±" not in (tmp_path / "table3.md").read_text()
+
+
+def test_figure_files_and_one_line_per_algorithm(sweep, report):
+    png, pdf = report.out / "figure2.png", report.out / "figure2.pdf"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from PIL import Image
+
+    with Image.open(png) as im:
+        im.verify()
+    data = pdf.read_bytes()
+    assert data.startswith(b"%PDF-") and b"%%EOF" in data[-1024:]
+
+    ax = report.figure.axes[0]
+    lines = ax.get_lines()
+    assert [line.get_label() for line in lines] == [tables.NAMES[a] for a in ALGOS]
+    assert ax.get_yscale() == "log"
+    # each line: minutes = cumulative step time / 60, perplexity, both averaged over seeds per step
+    for algo, line in zip(ALGOS, lines):
+        rows = [read_rows(sweep / f"{algo}_seed{s}") for s in SEEDS]
+        minutes = [statistics.mean(sum(r["time_step"] for r in rs[:k + 1]) / 60 for rs in rows)
+                   for k in range(STEPS)]
+        ppl = [statistics.mean(rs[k]["perplexity"] for rs in rows) for k in range(STEPS)]
+        assert list(line.get_xdata()) == pytest.approx(minutes)
+        assert list(line.get_ydata()) == pytest.approx(ppl)
+
+
+@pytest.mark.parametrize("stem,columns", [("table3", 6), ("table4", 7)])
+def test_latex_tables_are_well_formed(report, stem, columns):
+    tex = (report.out / f"{stem}.tex").read_text()
+    for env in ("table", "tabular"):
+        assert tex.count(f"\\begin{{{env}}}") == tex.count(f"\\end{{{env}}}") == 1
+    spec = tex.split("\\begin{tabular}{", 1)[1].split("}", 1)[0]
+    assert len(spec) == columns
+    body = tex.split("\\toprule", 1)[1].split("\\bottomrule", 1)[0].replace("\\midrule", "")
+    rows = [r for r in body.split("\\\\") if r.strip()]
+    assert len(rows) == 1 + len(ALGOS)  # header + one row per algorithm
+    for r in rows:
+        assert r.replace("\\&", "").count("&") == columns - 1, r
+    assert tex.count("{") == tex.count("}") and "±" not in tex
+
+
+def test_latex_escapes_text():
+    assert render.latex_escape("FL+HSDP (fedavg_mode=all_replicas, 50%)") == \
+        r"FL+HSDP (fedavg\_mode=all\_replicas, 50\%)"
+
+
+def test_ratios_and_findings_follow_the_numbers(sweep, report):
+    p = paper.load()
+    ratios = pd.read_csv(report.out / "ratios.csv").set_index("ratio")
+    for r in p["ratios"]:
+        metric = r["metric"]
+        num = [summary(sweep / f"{r['numerator']}_seed{s}") for s in SEEDS]
+        den = [summary(sweep / f"{r['denominator']}_seed{s}") for s in SEEDS]
+        if metric == "train_time_s":  # the records' sum, as the tables
+            num = [{metric: sum(x["time_step"] for x in read_rows(sweep / f"{r['numerator']}_seed{s}"))} for s in SEEDS]
+            den = [{metric: sum(x["time_step"] for x in read_rows(sweep / f"{r['denominator']}_seed{s}"))} for s in SEEDS]
+        per_seed = [a[metric] / b[metric] for a, b in zip(num, den)]
+        row = ratios.loc[r["name"]]
+        assert row["runs_mean"] == pytest.approx(statistics.mean(per_seed))
+        assert row["runs_std"] == pytest.approx(statistics.stdev(per_seed))
+        assert row["paper_quoted"] == r["quoted"] and row["seeds"] == len(SEEDS)
+    assert ratios.loc["FSDP / FL+FSDP train time", "paper_table3"] == pytest.approx(770.54 / 95.87)
+
+    found = pd.read_csv(report.out / "findings.csv", keep_default_na=False)
+    assert found["paper"].str.startswith("yes").all(), "a finding's definition does not match the paper"
+    # a pairwise finding's verdict, recomputed from the summaries: on the mean and in each seed
+    ppl = {a: [summary(sweep / f"{a}_seed{s}")["eval_perplexity"] for s in SEEDS] for a in ALGOS}
+    holds = [x < y for x, y in zip(ppl["fl_hsdp"], ppl["hsdp"])]
+    on_mean = statistics.mean(ppl["fl_hsdp"]) < statistics.mean(ppl["hsdp"])
+    expected = ("reproduced" if on_mean and all(holds) else "not reproduced" if not (on_mean or any(holds))
+                else "mixed")
+    row = found.set_index("finding").loc["FL+HSDP reaches a lower eval perplexity than HSDP (paper: 4.48x)"]
+    assert row["verdict"].startswith(expected) and row["seeds holding"] == f"{sum(holds)}/{len(SEEDS)}"
+    agg = found.set_index("finding").iloc[-1]
+    assert agg["verdict"] == "reproduced", agg["runs"]
+    text = (report.out / "report.md").read_text()
+    assert "## Findings of the paper: reproduced or not" in text and "identical in every run" in text
+
+
+def test_broken_runs_are_named_and_skipped(sweep, tmp_path, capsys):
+    tree = tmp_path / "runs"
+    for algo in ALGOS:
+        shutil.copytree(sweep / f"{algo}_seed0", tree / f"{algo}_seed0")
+    empty = tree / "empty_metrics"
+    empty.mkdir()
+    (empty / "metrics.jsonl").write_text("")
+    crashed = tree / "crashed_midway"  # records up to step 2, then the run died: no summary
+    crashed.mkdir()
+    (crashed / "metrics.jsonl").write_text("".join(
+        json.dumps(r) + "\n" for r in read_rows(sweep / "fsdp_seed1")[:2]))
+    never = tree / "never_started"  # Hydra made the job folder; the run failed before step 1
+    (never / ".hydra").mkdir(parents=True)
+    shutil.copy(sweep / "fsdp_seed1" / ".hydra" / "config.yaml", never / ".hydra")
+    torn = tree / "torn_line"
+    shutil.copytree(sweep / "hsdp_seed1", torn)
+    with open(torn / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "loss": 8.3')
+
+    out = tmp_path / "report"
+    proc = subprocess.run([sys.executable, "-m", "analysis.report", str(tree), "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    expected = {empty: "metrics.jsonl is empty", crashed: "no summary.json: the run did not finish",
+                never: "no metrics.jsonl", torn: "metrics.jsonl line 6 is not valid JSON"}
+    for run, why in expected.items():
+        assert f"skipped {run}: {why}" in proc.stderr, proc.stderr
+        assert f"- {run}: {why}" in (out / "report.md").read_text()
+    t3 = pd.read_csv(out / "table3.csv")
+    assert list(t3["label"]) == [tables.NAMES[a] for a in ALGOS] and (t3["seeds"] == 1).all()
+
+    assert main([str(tree), "--out", str(out), "--strict"]) == 1  # in-process: the CLI once is enough
+    assert main([str(empty), "--out", str(tmp_path / "none")]) == 1
+    assert "no usable runs" in capsys.readouterr().err and not (tmp_path / "none").exists()
+
+
+def test_record_checks_name_the_run(sweep, tmp_path):
+    run = tmp_path / "twice"
+    shutil.copytree(sweep / "fsdp_seed0", run)
+    (run / "metrics.jsonl").write_text((run / "metrics.jsonl").read_text() * 2)  # a rerun appended
+    with pytest.raises(RecordError, match=f"{run}: step 1 is recorded twice"):
+        load_run_dir(run)
+    short = tmp_path / "short"
+    shutil.copytree(sweep / "fsdp_seed0", short)
+    lines = (short / "metrics.jsonl").read_text().splitlines()
+    (short / "metrics.jsonl").write_text("\n".join(lines[1:]) + "\n")
+    with pytest.raises(RecordError, match=f"{short}: summary says {STEPS} steps"):
+        load_run_dir(short)
+
+
+def test_offline_wandb_folder_reads_as_the_jsonl(sweep):
+    run_dir = sweep / "fl_fsdp_seed0"
+    (folder,) = run_dir.glob("wandb/offline-run-*")
+    from_wandb, from_jsonl = read_offline(folder), load_run_dir(run_dir)
+    cols = ["step", "perplexity", "time_step", "time_aggregation", "aggregated"]
+    pd.testing.assert_frame_equal(from_wandb.steps[cols], from_jsonl.steps[cols], check_dtype=False)
+    assert from_wandb.summary["eval_perplexity"] == from_jsonl.summary["eval_perplexity"]
+    assert from_wandb.config["optimizer.lr"] == from_jsonl.config["optimizer.lr"]
+    # the run directory itself is read from its JSONL, never from its wandb/ folder
+    runs, _ = collect([str(run_dir)])
+    assert [r.source for r in runs] == ["jsonl"]
+    runs, _ = collect([str(run_dir / "wandb")])
+    assert [r.source for r in runs] == ["wandb-offline"]
+
+
+def test_online_project_through_the_public_api(sweep, monkeypatch):
+    """The API itself needs network: a stand-in with its shape (runs, state, config, summary,
+    scan_history) checks what is made of it."""
+    import wandb
+
+    rows = read_rows(sweep / "hsdp_seed0")
+    evals = read_rows(sweep / "hsdp_seed0", "eval")
+
+    class Remote:
+        def __init__(self, rid, state, summary):
+            self.id, self.name, self.state, self.summary = rid, rid, state, summary
+            self.config = {"optimizer": {"lr": 3e-4}}
+
+        def scan_history(self):
+            for r in rows:
+                flat = {"_step": r["step"], **{f"train/{k}": v for k, v in r.items() if k != "step"}}
+                if r["step"] == STEPS:
+                    flat.update({f"eval/{k}": v for k, v in evals[-1].items() if k not in ("step", "split")})
+                yield flat
+
+    class Api:
+        def runs(self, project):
+            assert project == "team/fldp"
+            return [Remote("ok", "finished", summary(sweep / "hsdp_seed0")), Remote("dead", "crashed", {})]
+
+    monkeypatch.setattr(wandb, "Api", Api)
+    runs, problems = read_project("team/fldp")
+    assert [r.name for r in runs] == ["wandb:team/fldp/ok (ok)"]
+    assert list(runs[0].steps["time_step"]) == [r["time_step"] for r in rows]
+    assert problems == [f"wandb:team/fldp/dead (dead): no final W&B summary: the run did not finish "
+                        f"(crashed or still running) after step {STEPS}"]

@@ -1,0 +1,162 @@
+"""Checkpoint and resume, failures that end cleanly, inputs that cannot corrupt a run."""
+import gzip
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from conftest import ROOT, cli, read_rows, run_world
+from fldp.checkpoint import latest
+from fldp.launch import WorkerError
+
+RUN = ["algorithm=fl_hsdp", "topology=local_8", "trainer.steps=12", "algorithm.every=3",
+       "trainer.checkpoint_every=2", "wandb.mode=disabled", "trainer.progress=false", "trainer.eval_batches=1"]
+
+
+def final_params(run_dir: Path, tmp: Path) -> dict:
+    """Every federation group's final parameters and optimiser state, from the last checkpoint."""
+    out = {}
+    for group in sorted((latest(run_dir)).glob("group_*")):
+        dcp_to_torch_save(group, tmp / f"{run_dir.name}-{group.name}.pt")
+        out[group.name] = torch.load(tmp / f"{run_dir.name}-{group.name}.pt", weights_only=False)
+    return out
+
+
+def flatten(state, prefix=""):
+    if isinstance(state, dict):
+        return {k: v for key, sub in state.items() for k, v in flatten(sub, f"{prefix}{key}.").items()}
+    return {prefix: state}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    out = cli(*RUN, f"hydra.run.dir={run_dir}", cwd=run_dir)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run_dir
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for p in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                if p.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    kids.append(int(p))
+        except (OSError, IndexError, ValueError):
+            pass
+    return kids
+
+
+@pytest.mark.parametrize("victim", ["worker", "launcher"])
+def test_kill_then_resume_equals_an_uninterrupted_run(tmp_path, uninterrupted, victim):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "fldp.train", *RUN, f"hydra.run.dir={run_dir}"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while latest(run_dir) is None:  # wait for the first complete checkpoint
+        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint before the run ended"
+        time.sleep(0.05)
+    workers = _children(proc.pid)
+    os.kill(workers[3] if victim == "worker" else proc.pid, signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    if victim == "worker":
+        assert "died (signal SIGKILL)" in stderr, stderr[-2000:]
+    time.sleep(1)
+    assert not [w for w in workers if os.path.exists(f"/proc/{w}") and _state(w) != "Z"], "orphan workers"
+    killed_at = latest(run_dir).name
+    assert killed_at != "step_00000012", "the run finished before it was killed"
+
+    out = cli(*RUN, "trainer.resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [r["loss"] for r in read_rows(run_dir)] == [r["loss"] for r in read_rows(uninterrupted)]
+    assert [r["step"] for r in read_rows(run_dir)] == list(range(1, 13))
+    a, b = flatten(final_params(run_dir, tmp_path)), flatten(final_params(uninterrupted, tmp_path))
+    assert a.keys() == b.keys() and len(a) > 20
+    for key in a:
+        if isinstance(a[key], torch.Tensor):
+            assert torch.equal(a[key], b[key]), key
+        else:
+            assert a[key] == b[key], key
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_half_written_checkpoint_is_never_picked(tmp_path, uninterrupted):
+    run_dir = tmp_path / "run"
+    shutil.copytree(uninterrupted, run_dir)
+    newest = latest(run_dir)
+    partial = run_dir / "checkpoints" / "step_00000099"
+    shutil.copytree(newest, partial)
+    (partial / "COMPLETE").unlink()
+    for f in (partial / "group_0").iterdir():
+        f.write_bytes(f.read_bytes()[:10])  # truncated shards
+    assert latest(run_dir) == newest
+    out = cli(*RUN, "trainer.resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert len(read_rows(run_dir)) == 12 and len(read_rows(run_dir, "eval")) == 1
+
+
+def test_resume_with_another_mesh_is_refused(tmp_path, uninterrupted):
+    run_dir = tmp_path / "run"
+    shutil.copytree(uninterrupted, run_dir)
+    out = cli(*RUN, "mesh.federation=4", "mesh.replicate=1", "trainer.resume=auto",
+              f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=60)
+    assert out.returncode == 2
+    assert "saved with mesh 2x2x2, this run has 4x1x2" in out.stderr
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    out = cli("algorithm=fsdp", "optimizer.name=sgd", "optimizer.lr=1e38", "optimizer.warmup=0",
+              "trainer.steps=6", "trainer.checkpoint_every=1", "wandb.mode=disabled",
+              f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    assert out.returncode == 1
+    assert "non-finite loss" in out.stderr
+    good = latest(tmp_path)
+    assert good is not None and not (tmp_path / "summary.json").exists()
+    assert int(good.name.split("_")[1]) == len(read_rows(tmp_path))  # the step before the bad one
+
+
+def _hang_on_rank_1(device):
+    if dist.get_rank() == 1:
+        time.sleep(300)  # never joins the collective
+    dist.barrier()
+
+
+def test_a_rank_hung_in_a_collective_ends_the_run_within_the_timeout():
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=r"failed first(.|\n)*([Tt]imed out|timeout)"):
+        run_world(_hang_on_rank_1, 4, timeout_s=5)
+    assert time.monotonic() - start < 60
+
+
+def test_existing_records_are_not_overwritten(tmp_path, uninterrupted):
+    run_dir = tmp_path / "run"
+    shutil.copytree(uninterrupted, run_dir)
+    before = (run_dir / "metrics.jsonl").read_bytes()
+    out = cli(*RUN, f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=60)
+    assert out.returncode == 2 and "already holds a run's metrics.jsonl" in out.stderr
+    assert (run_dir / "metrics.jsonl").read_bytes() == before
+
+
+@pytest.mark.parametrize("corpus", ["empty", "corrupt"])
+def test_empty_or_corrupt_corpus_is_named(tmp_path, corpus):
+    bad = tmp_path / "train.jsonl.gz"
+    bad.write_bytes(gzip.compress(b"") if corpus == "empty" else b"\x1f\x8b not really gzip")
+    out = cli(f"dataset.data_files.train={bad}", f"dataset.cache_dir={tmp_path}/cache",
+              f"hydra.run.dir={tmp_path}/run", cwd=tmp_path, timeout=60)
+    assert out.returncode == 2
+    assert "dataset." in out.stderr and ("no full block" in out.stderr or str(bad) in out.stderr), out.stderr[-1500:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -1,0 +1,313 @@
+"""fldp on a real SLURM cluster: the single-host one of slurm/test-cluster.sh (two slurmd "nodes",
+n1 and n2), which .ci/run starts before the tests and stops after them. Without SLURM the tests
+that submit are skipped, saying how to start it; with FLDP_REQUIRE_SLURM=1 (CI) they fail instead.
+
+Covered: a run submitted through cluster=slurm and one through slurm/generic.sbatch write the same
+records as the same run on local processes; a sweep over A and F through hydra-submitit-launcher
+gives one job and one record per valid point, the invalid points failing alone; a rank that raises
+or a cancelled job is reported as failed, with its error, in bounded time; the leonardo cluster's
+dry run renders the paper's 128-node, 512-task jobs; without SLURM a SLURM run fails at once."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import cloudpickle
+import pytest
+
+from conftest import QUICK, ROOT, cli, compose_cfg, read_rows, train_world
+from fldp import launch, slurm
+from fldp.launch import WorkerError
+from fldp.mesh import ConfigError, mesh_shape
+
+
+def _slurm_up() -> bool:
+    if shutil.which("sbatch") is None:
+        return False
+    return subprocess.run(["sinfo", "-h"], capture_output=True, timeout=30).returncode == 0
+
+
+SLURM_UP = _slurm_up()
+if os.environ.get("FLDP_REQUIRE_SLURM") == "1" and not SLURM_UP:
+    raise RuntimeError("FLDP_REQUIRE_SLURM=1 but no SLURM answers here: slurm/test-cluster.sh start")
+needs_slurm = pytest.mark.skipif(
+    not SLURM_UP, reason="no SLURM here: start the single-host test cluster with `slurm/test-cluster.sh start` (root)")
+
+# The same tiny FL+HSDP run everywhere: 2x2x2 mesh, 4 steps, FedAvg every 2.
+RUN = ["algorithm=fl_hsdp", "trainer.steps=4", "algorithm.every=2", *QUICK]
+NO_SLURM_ENV = {"PATH": "/nonexistent"}  # no sbatch/srun (Python is started by its full path)
+LEONARDO = {"fsdp": "1x1x512", "hsdp": "1x128x4", "fl_fsdp": "128x1x4", "fl_hsdp": "16x8x4"}
+
+
+def same_records(a: Path, b: Path) -> None:
+    """Every value of every row equal, except wall times."""
+    for split in (None, "eval"):
+        ra, rb = read_rows(a, split), read_rows(b, split)
+        assert len(ra) == len(rb) > 0
+        for x, y in zip(ra, rb):
+            assert {k: v for k, v in x.items() if not k.startswith("time_")} == \
+                   {k: v for k, v in y.items() if not k.startswith("time_")}
+
+
+def final_state(job, timeout_s: float = 60) -> str:
+    """The job's state once SLURM has finished it (no task left running): nothing hangs."""
+    deadline = time.monotonic() + timeout_s
+    while (state := job.watcher.get_state(job.job_id, mode="force")) in ("PENDING", "RUNNING", "COMPLETING"):
+        assert time.monotonic() < deadline, f"job {job.job_id} still {state} after {timeout_s} s"
+        time.sleep(0.5)
+    return state
+
+
+def cancel_jobs_from(directory: Path) -> None:
+    """scancel the jobs still queued or running that were submitted from `directory` (a test's)."""
+    if not SLURM_UP:
+        return
+    out = subprocess.run(["squeue", "-h", "-t", "PD,R,CG", "-o", "%i %Z"], capture_output=True, text=True).stdout
+    ids = [line.split()[0] for line in out.splitlines() if line.split()[1:] and
+           line.split()[1].startswith(str(directory))]
+    if ids:
+        subprocess.run(["scancel", *ids])
+
+
+# --- no SLURM needed --------------------------------------------------------------------------
+
+def test_topology_leonardo_512_brings_cluster_leonardo():
+    assert compose_cfg("topology=leonardo_512").cluster.name == "leonardo"
+    assert compose_cfg("topology=leonardo_512", "cluster=local").cluster.name == "local"
+    assert compose_cfg().cluster.name == "local"
+
+
+def test_leonardo_dry_run_renders_the_paper_jobs(tmp_path):
+    """The four paper_512 runs, dry: 128 nodes x 4 tasks, 4 GPUs and 8 CPUs per task, the authors'
+    meshes and hyper-parameters; nothing submitted (no sbatch on PATH)."""
+    out = subprocess.run([sys.executable, "-m", "fldp.train", "-m", "+experiment=paper_512", "cluster.dry_run=true",
+                          f"hydra.sweep.dir={tmp_path}"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, **NO_SLURM_ENV})
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs = out.stdout.split("fldp: dry run (cluster=leonardo): nothing submitted")[1:]
+    assert len(runs) == 4, out.stdout[-3000:]
+    seen = set()
+    for text in runs:
+        algorithm, mesh = re.search(r"^mesh: (\w+) (\d+x\d+x\d+) .* = 512 ranks", text, re.M).groups()
+        assert LEONARDO[algorithm] == mesh
+        seen.add(algorithm)
+        assert "job: 128 nodes x 4 tasks = 512 tasks, one rank each (NCCL), partition boost_usr_prod" in text
+        for flag in ("--nodes=128", "--ntasks-per-node=4", "--gpus-per-node=4", "--cpus-per-task=8",
+                     "--partition=boost_usr_prod", "--exclusive"):
+            assert f"#SBATCH {flag}\n" in text, flag
+        assert "run: model llama3_1_8b, dataset clean_mc4_it, bf16, batch 2 per rank, one pass of steps, " \
+               "adamw lr 0.0003, seed 42" in text
+        assert ("FedAvg every 8 steps" in text) == algorithm.startswith("fl_")
+        assert "export NCCL_IB_DISABLE=0" in text and "srun " in text
+    assert seen == set(LEONARDO)
+    assert not list(tmp_path.rglob("metrics.jsonl"))
+
+
+def test_without_slurm_a_slurm_run_fails_at_once(tmp_path):
+    start = time.monotonic()
+    out = cli("algorithm=fl_hsdp", "topology=leonardo_512", f"hydra.run.dir={tmp_path}", cwd=tmp_path,
+              timeout=120, env=NO_SLURM_ENV)
+    assert out.returncode == 2
+    assert "cluster=leonardo: no SLURM reachable from here (sbatch/srun not on PATH)" in out.stderr, out.stderr[-2000:]
+    assert time.monotonic() - start < 60
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_local_sweep_an_invalid_point_fails_alone(tmp_path):
+    """Hydra's basic launcher, one point after another: F=3 cannot fit 2 ranks and fails, logged
+    as it fails; F=2 still runs; the sweep exits non-zero at the end."""
+    out = cli("-m", "algorithm=fl_fsdp", "topology=local_2", "trainer.steps=1", "mesh.federation=3,2", *QUICK,
+              f"hydra.sweep.dir={tmp_path}", cwd=tmp_path, timeout=300)
+    assert out.returncode == 1
+    assert re.search(r"sweep point #0 \(.*mesh.federation=3.*\) failed: mesh.federation x mesh.replicate x "
+                     r"mesh.shard = 3x1x1 = 3 ranks, but topology=local_2 has 2", out.stdout + out.stderr)
+    assert [p.parent.name for p in tmp_path.glob("*/summary.json")] == ["1_fl_fsdp"]
+
+
+def test_rendezvous_from_the_allocation():
+    assert slurm.first_node("lrdn[0012-0015,0100],lrdn0200") == "lrdn0012"
+    assert slurm.first_node("n1,n2") == "n1" and slurm.first_node("gpu7") == "gpu7"
+    env = {"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_ID": "42"}
+    assert slurm.rendezvous(env) == ("n1", 12042)
+    assert slurm.rendezvous({**env, "MASTER_ADDR": "h", "MASTER_PORT": "7"}) == ("h", 7)
+
+
+# --- on the SLURM cluster ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def two_by_four(tmp_path_factory):
+    """The tiny FL+HSDP run three ways, the two SLURM jobs side by side: submitted through
+    cluster=slurm, through slurm/generic.sbatch, and on 8 local processes."""
+    base = tmp_path_factory.mktemp("two_by_four")
+    submitted, scripted, local = base / "submitted", base / "sbatch", base / "local"
+    start = time.monotonic()
+    procs = {
+        "submitted": subprocess.Popen(
+            [sys.executable, "-m", "fldp.train", *RUN, "topology=slurm_2x4", "cluster=slurm", "cluster.poll_s=1",
+             f"hydra.run.dir={submitted}"], cwd=base, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+        "sbatch": subprocess.Popen(
+            ["sbatch", "--wait", "--output", str(base / "sbatch.out"), str(ROOT / "slurm" / "generic.sbatch"),
+             *RUN, f"hydra.run.dir={scripted}"], cwd=base, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env={**os.environ, "FLDP_VENV": sys.prefix}),
+    }
+    train_world(compose_cfg(*RUN, "topology=local_8"), local)
+    outcomes = {}
+    try:
+        for name, p in procs.items():
+            stdout, stderr = p.communicate(timeout=900)
+            outcomes[name] = (p.returncode, stdout + stderr, time.monotonic() - start)
+    finally:
+        for p in procs.values():
+            p.kill()
+        cancel_jobs_from(base)
+    return {"submitted": submitted, "sbatch": scripted, "local": local, "base": base, "outcomes": outcomes}
+
+
+@needs_slurm
+def test_fl_hsdp_2x4_through_the_cluster_config_matches_a_local_run(two_by_four):
+    rc, output, elapsed = two_by_four["outcomes"]["submitted"]
+    assert rc == 0, output[-3000:]
+    assert re.search(r"submitted SLURM job \d+: mesh: fl_hsdp 2x2x2 .* job: 2 nodes x 4 tasks = 8 tasks", output)
+    summary = json.loads((two_by_four["submitted"] / "summary.json").read_text())
+    assert (summary["world_size"], summary["topology"], summary["every"]) == (8, "slurm_2x4", 2)
+    same_records(two_by_four["submitted"], two_by_four["local"])
+    print(f"cluster=slurm run: {elapsed:.0f} s")
+
+
+@needs_slurm
+def test_fl_hsdp_2x4_through_the_sbatch_script_matches_a_local_run(two_by_four):
+    rc, output, elapsed = two_by_four["outcomes"]["sbatch"]
+    log = (two_by_four["base"] / "sbatch.out").read_text() if (two_by_four["base"] / "sbatch.out").exists() else ""
+    assert rc == 0, (output + log)[-3000:]
+    summary = json.loads((two_by_four["sbatch"] / "summary.json").read_text())
+    assert (summary["world_size"], summary["federation"], summary["replicate"], summary["shard"]) == (8, 2, 2, 2)
+    same_records(two_by_four["sbatch"], two_by_four["local"])
+    print(f"sbatch run: {elapsed:.0f} s")
+
+
+@needs_slurm
+def test_sweep_over_a_and_f_through_hydra_submitit_launcher(tmp_path):
+    """sweep_a_f, shrunk to 2 nodes x 2 tasks (S=1, R = 4/F): A in {1, 2} x F in {2, 3, 4}. One
+    SLURM job per point; F=3 does not divide the world and fails alone, the others each write
+    their records."""
+    start = time.monotonic()
+    try:
+        out = cli("-m", "+experiment=sweep_a_f", "hydra/launcher=fldp_slurm", "cluster=slurm",
+                  "topology=slurm_2x4", "topology.procs_per_node=2", "model=tiny_llama", "dataset=diodati_1649",
+                  "trainer.precision=fp32", "trainer.steps=2", "mesh.shard=1", "algorithm.every=1,2",
+                  "mesh.federation=2,3,4", "hydra.launcher.array_parallelism=3", *QUICK,
+                  f"hydra.sweep.dir={tmp_path}", cwd=tmp_path, timeout=900)
+    finally:
+        cancel_jobs_from(tmp_path)
+    elapsed = time.monotonic() - start
+    assert out.returncode != 0  # the F=3 points failed ...
+    assert "mesh.federation x mesh.replicate x mesh.shard = 3x1x1 = 3 ranks, but topology=slurm_2x4 has 4" \
+        in out.stderr, out.stderr[-3000:]
+    points = {}
+    for path in tmp_path.glob("*/summary.json"):  # ... and every other point ran
+        s = json.loads(path.read_text())
+        points[(s["every"], s["federation"])] = (s["replicate"], s["shard"], s["world_size"])
+        assert [r["aggregated"] for r in read_rows(path.parent)] == ([True, True] if s["every"] == 1 else [False, True])
+    assert points == {(1, 2): (2, 1, 4), (2, 2): (2, 1, 4), (1, 4): (1, 1, 4), (2, 4): (1, 1, 4)}
+    jobs = {p.name for p in (tmp_path / ".submitit").iterdir() if re.fullmatch(r"\d+_\d+", p.name)}
+    assert len(jobs) == 6, jobs  # one SLURM (array) job per point
+    print(f"sweep of 6 points: {elapsed:.0f} s")
+
+
+def _fail_on_rank_2(cfg, run_dir):
+    """A rank that raises while its peers wait in a collective that will never complete."""
+    import torch.distributed as dist
+
+    env = launch.from_environment()
+    launch.init_process_group(env, "cpu", timeout_s=600)
+    if env.rank == 2:
+        raise ValueError("injected failure on rank 2")
+    dist.barrier()
+
+
+def _sleep(cfg, run_dir):
+    time.sleep(600)
+
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the job unpickles these test functions
+
+
+def _small_job_cfg():
+    cfg = compose_cfg("cluster=slurm", "topology=slurm_2x4", "topology.procs_per_node=2", "mesh.federation=2",
+                      "mesh.replicate=1", "mesh.shard=2")
+    return cfg, mesh_shape(cfg)
+
+
+@needs_slurm
+def test_a_rank_that_raises_fails_the_job_at_once_with_its_error(tmp_path):
+    cfg, shape = _small_job_cfg()
+    start = time.monotonic()
+    job = slurm.submit_job(cfg, str(tmp_path), shape, fn=_fail_on_rank_2)
+    try:
+        with pytest.raises(WorkerError, match=r"rank 2 failed first:(.|\n)*ValueError: injected failure on rank 2"):
+            slurm.follow(job, str(tmp_path), poll_s=1)
+        elapsed = time.monotonic() - start
+        # srun ended the peers blocked in the barrier: not the 600 s collective timeout
+        assert elapsed < 120, f"reported after {elapsed:.0f} s"
+        assert final_state(job) == "FAILED"
+    finally:
+        job.cancel(check=False)
+    print(f"failing rank reported after {elapsed:.0f} s")
+
+
+@needs_slurm
+def test_a_cancelled_job_is_reported_failed(tmp_path):
+    cfg, shape = _small_job_cfg()
+    job = slurm.submit_job(cfg, str(tmp_path), shape, fn=_sleep)
+    try:
+        deadline = time.monotonic() + 120
+        while job.watcher.get_state(job.job_id, mode="force") != "RUNNING":
+            assert time.monotonic() < deadline, "the job never started"
+            time.sleep(0.5)
+        start = time.monotonic()
+        subprocess.run(["scancel", job.job_id], check=True)
+        with pytest.raises(WorkerError, match=rf"SLURM job {job.job_id} ended CANCELLED"):
+            slurm.follow(job, str(tmp_path), poll_s=1)
+        assert time.monotonic() - start < 30
+        assert final_state(job).startswith("CANCELLED")
+    finally:
+        job.cancel(check=False)
+
+
+@needs_slurm
+def test_a_failing_run_submitted_from_the_command_line_reports_the_cause(tmp_path):
+    """A tokenizer path that does not exist: found by rank 0 inside the job; the run exits 1 with
+    rank 0's error, and no rank waits on it."""
+    start = time.monotonic()
+    try:
+        out = cli("cluster=slurm", "topology=slurm_2x4", "topology.procs_per_node=2", "mesh.replicate=1",
+                  "cluster.poll_s=1", "dataset.tokenizer=/nonexistent/tokenizer", *QUICK,
+                  f"hydra.run.dir={tmp_path}", cwd=tmp_path, timeout=600)
+    finally:
+        cancel_jobs_from(tmp_path)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "fldp: run failed: SLURM job" in out.stderr and "rank 0 failed first" in out.stderr
+    assert "dataset.tokenizer=/nonexistent/tokenizer" in out.stderr
+    assert time.monotonic() - start < 300
+    assert not (tmp_path / "summary.json").exists()
+
+
+@needs_slurm
+def test_sbatch_refuses_an_impossible_job_at_once(tmp_path):
+    """3 nodes on a 2-node cluster: EnforcePartLimits makes sbatch refuse it instead of queueing it."""
+    cfg = compose_cfg("cluster=slurm", "topology=slurm_2x4", "topology.nodes=3", "topology.procs_per_node=1",
+                      "mesh.federation=3", "mesh.replicate=1", "mesh.shard=1")
+    with pytest.raises(WorkerError, match="sbatch refused the job"):
+        slurm.submit_job(cfg, str(tmp_path), mesh_shape(cfg))
+
+
+def test_gpu_topology_needs_one_gpu_per_rank():
+    cfg = compose_cfg("topology=leonardo_512", "cluster.gpus_per_node=2")
+    with pytest.raises(ConfigError, match="cluster.gpus_per_node=2 but topology.procs_per_node=4"):
+        slurm.job_parameters(cfg, mesh_shape(cfg))
