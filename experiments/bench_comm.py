@@ -7,7 +7,7 @@
     meshes (goal: within 15%). Prediction = the same algorithm's measured step time without
     emulation (compute) + the byte-exact model's communication time on the emulated tiers.
 
-    python experiments/bench_comm.py [--scale 2e-4] [--steps 16] [--repeats 10]
+    python experiments/bench_comm.py [--scale 5e-5] [--steps 10] [--repeats 10]
 """
 from __future__ import annotations
 
@@ -42,13 +42,13 @@ def compose_cfg(*overrides):
 
 
 # ---------------------------------------------------------------- (a) FedAvg vs flat all-reduce
-def _fedavg_worker(repeats, out, device):
+def _fedavg_worker(repeats, bucket_mb, out, device):
     shape = MeshShape(2, 1, 2)
     mesh = build_mesh(shape, "cpu")
     cfg = compose_cfg("model.hidden_size=256", "model.intermediate_size=704", "model.num_hidden_layers=4")
     torch.manual_seed(0)
     model = parallelize(build_model(llama_config(cfg.model, 4096)), group_mesh(mesh, shape), torch.float32)
-    fedavg = FedAvg(model, mesh, shape, FedAvgConfig(every=1), last_step=1)
+    fedavg = FedAvg(model, mesh, shape, FedAvgConfig(every=1, bucket_mb=bucket_mb), last_step=1)
     numel = sum(t.numel() for bucket in fedavg.buckets for t in bucket)
     flat = torch.randn(numel)
     group = mesh["federation"].get_group()
@@ -71,10 +71,10 @@ def _fedavg_worker(repeats, out, device):
         Path(out).write_text(json.dumps({"bytes": numel * 4, "buckets": len(fedavg.buckets), **times}))
 
 
-def bench_fedavg(repeats: int) -> None:
+def bench_fedavg(repeats: int, bucket_mb: float) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "fedavg.json"
-        run_local(_fedavg_worker, (repeats, str(out)), 4, "cpu",
+        run_local(_fedavg_worker, (repeats, bucket_mb, str(out)), 4, "cpu",
                   OmegaConf.create({"master_addr": "127.0.0.1", "master_port": None,
                                     "timeout_s": 300, "threads_per_worker": 1}))
         r = json.loads(out.read_text())
@@ -126,10 +126,15 @@ def bench_tiers(steps: int, scale: float) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--scale", type=float, default=2e-4, help="emulated bandwidth = Leonardo's x scale")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--bucket-mb", type=float, default=25.0, help="FedAvg bucket size (algorithm.fedavg.bucket_mb)")
+    ap.add_argument("--only-fedavg", action="store_true", help="run (a) only")
+    # small enough that communication dominates compute, as for FSDP at 512 GPUs in the paper
+    ap.add_argument("--scale", type=float, default=5e-5, help="emulated bandwidth = Leonardo's x scale")
     args = ap.parse_args()
-    bench_fedavg(args.repeats)
+    bench_fedavg(args.repeats, args.bucket_mb)
+    if args.only_fedavg:
+        return
     print(f"(b) local_8 with emulated Leonardo-like tiers (node of 4 ranks: 800 Gbit/s, across nodes: "
           f"200 Gbit/s, x {args.scale:g}), {args.steps} steps, A=8")
     bench_tiers(args.steps, args.scale)
