@@ -32,6 +32,17 @@ def latest(run_dir: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
+def check_mesh(path: Path, shape: MeshShape) -> None:
+    """A checkpoint resumes only on the mesh it was saved with: FedAvg pairs shard k of group f
+    with shard k of the others, so another F, R or S would pair different slices, and another F
+    has no state for the new groups."""
+    meta = json.loads((path / "meta.json").read_text())
+    saved = MeshShape(meta["federation"], meta["replicate"], meta["shard"])
+    if saved != shape:
+        raise ConfigError(f"trainer.resume=auto: {path} was saved with mesh {saved}, this run has "
+                          f"{shape}; resume with the same mesh.* or use a new hydra.run.dir")
+
+
 class Checkpointer:
     def __init__(self, run_dir: str, shape: MeshShape, algorithm: str, every: int, last_step: int):
         self.root = Path(run_dir) / "checkpoints"
@@ -64,13 +75,7 @@ class Checkpointer:
 
     def load(self, path: Path, model, optimizer, scheduler) -> int:
         """Restore this rank from `path`; returns the step it was taken after."""
-        meta = json.loads((path / "meta.json").read_text())
-        saved = MeshShape(meta["federation"], meta["replicate"], meta["shard"])
-        if saved != self.shape:
-            # FedAvg pairs shard k of group f with shard k of the others: another F, R or S
-            # would pair different slices, and another F has no state for the new groups
-            raise ConfigError(f"trainer.resume=auto: {path} was saved with mesh {saved}, this run has "
-                              f"{self.shape}; resume with the same mesh.* or use a new hydra.run.dir")
+        check_mesh(path, self.shape)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=path / f"group_{self.federation_index}", process_group=self.group)

@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 from . import launch, slurm
 from .aggregation import FedAvgConfig
-from .checkpoint import latest
+from .checkpoint import check_mesh, latest
 from .data import prepare
 from .mesh import ConfigError, mesh_shape
 
@@ -68,11 +68,7 @@ def check_run_dir(cfg, shape, run_dir: str) -> None:
                           f"with trainer.resume=auto, or choose another hydra.run.dir")
     saved = latest(path) if cfg.trainer.resume == "auto" else None
     if saved is not None:
-        meta = json.loads((saved / "meta.json").read_text())
-        if (meta["federation"], meta["replicate"], meta["shard"]) != (shape.federation, shape.replicate, shape.shard):
-            raise ConfigError(f"trainer.resume=auto: {saved} was saved with mesh {meta['federation']}x"
-                              f"{meta['replicate']}x{meta['shard']}, this run has {shape}; resume with the "
-                              f"same mesh.* or use a new hydra.run.dir")
+        check_mesh(saved, shape)
 
 
 def check_vocab(cfg, blocks) -> None:
