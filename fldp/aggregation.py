@@ -114,17 +114,22 @@ class FedAvg:
             flat.div_(self.shape.federation)
         if self.broadcast:
             dist.broadcast(flat, group=self.replicate, group_src=0)
-        for t, avg in zip(bucket, torch.split(flat, [t.numel() for t in bucket])):
-            t.copy_(avg.view_as(t))
+        _unpack(bucket, flat)
 
     @torch.no_grad()
     def synchronise(self) -> None:
         """Make every group start from group 0's weights (a broadcast over the federation dim)."""
         for bucket in self.buckets:
-            flat = torch.cat([t.reshape(-1) for t in bucket])
+            flat = self._buffer(bucket, 0)
+            torch.cat([t.reshape(-1) for t in bucket], out=flat)
             dist.broadcast(flat, group=self.federation, group_src=0)
-            for t, src in zip(bucket, torch.split(flat, [t.numel() for t in bucket])):
-                t.copy_(src.view_as(t))
+            _unpack(bucket, flat)
+
+
+def _unpack(bucket: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy a bucket's flat buffer back into its local shards."""
+    for t, value in zip(bucket, torch.split(flat, [t.numel() for t in bucket])):
+        t.copy_(value.view_as(t))
 
 
 def bucket_indices(tensors: list[tuple[int, torch.dtype]], bucket_bytes: int) -> list[list[int]]:
