@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -183,18 +184,55 @@ def submit_job(cfg, run_dir: str, shape: MeshShape, fn=run_rank):
     return job
 
 
-def follow(job, run_dir: str, poll_s: float) -> dict:
+# submitit's states of a job that has not ended
+_NOT_ENDED = ("READY", "PENDING", "RUNNING", "UNKNOWN", "REQUEUED", "COMPLETING", "PREEMPTED", "SUSPENDED")
+
+
+def follow(job, run_dir: str, poll_s: float, timeout_s: float | None = None) -> dict:
     """Wait for the job to end, asking SLURM every poll_s (submitit alone would back off to minutes
-    between checks), then its outcome."""
+    between checks), then its outcome. With timeout_s, a job not ended by then raises WorkerError
+    with its state and SLURM's reason (it keeps running: the caller decides whether to cancel it)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     state = None
     while True:
-        now = job.watcher.get_state(job.job_id, mode="force")
+        now = job_state(job)
         if now != state:
             state = now
-            log.info("job %s: %s", job.job_id, state)
-        if job.done():
+            log.info("job %s: %s%s", job.job_id, state, waiting_reason(job.job_id) if state == "PENDING" else "")
+        # a task killed by srun before it wrote its result is known ended only from SLURM's state
+        if state not in _NOT_ENDED or job.done():
             return outcome(job, run_dir)
+        if deadline is not None and time.monotonic() > deadline:
+            raise WorkerError(f"SLURM job {job.job_id} still {state} after {timeout_s:g} s"
+                              f"{waiting_reason(job.job_id)}; logs: {job.paths.folder}")
         time.sleep(poll_s)
+
+
+def job_state(job) -> str:
+    """The job's SLURM state: sacct's, through submitit; where sacct has no answer (a site
+    without accounting), squeue's, and ENDED once squeue has forgotten the job."""
+    state = job.watcher.get_state(job.job_id, mode="force")
+    if state != "UNKNOWN":
+        return state
+    try:
+        r = subprocess.run(["squeue", "-h", "-t", "all", "-j", str(job.job_id), "-o", "%T"],
+                           capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return state
+    states = sorted(set(r.stdout.split()))
+    if r.returncode == 0 and states:  # one line per array task; any not ended keeps the job going
+        return next((s for s in states if s in _NOT_ENDED), states[0])
+    return "ENDED" if "Invalid job id" in r.stderr else state
+
+
+def waiting_reason(job_id: str) -> str:
+    """SLURM's reason a job is not running, e.g. ' (Resources)', ' (ReqNodeNotAvail)'; '' if none."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%r"], capture_output=True,
+                             text=True, timeout=30).stdout.split()
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return f" ({out[0]})" if out and out[0] != "None" else ""
 
 
 def outcome(job, run_dir: str) -> dict:
@@ -218,7 +256,7 @@ def outcome(job, run_dir: str) -> dict:
     summary = Path(run_dir) / "summary.json"
     if results.get(0, ("",))[0] == "success" and summary.exists():
         return json.loads(summary.read_text())
-    state = job.watcher.get_state(job.job_id, mode="force")
+    state = job_state(job)
     tail = "\n".join((tasks[0].stderr() or "").strip().splitlines()[-15:])
     raise WorkerError(f"SLURM job {job.job_id} ended {state} without a Python error and without records"
                       + (f"; end of rank 0's stderr:\n{tail}" if tail else "") + f"\n{logs}")

@@ -5,13 +5,14 @@
 #   slurm/test-cluster.sh start    install (apt) if needed, configure, start, wait until both nodes are idle
 #   slurm/test-cluster.sh stop     stop the daemons, remove what start added (config, sacct stand-in, hosts)
 #   slurm/test-cluster.sh status   sinfo
+#   slurm/test-cluster.sh report   nodes with their reasons, every job, the daemons' recent errors
 #
 # Never touches a slurm.conf it did not write: a machine with a real SLURM is left alone.
 set -euo pipefail
 
 STATE=/var/lib/fldp-slurm                  # spool, state, logs, pid files
 CONF=/etc/slurm/slurm.conf
-SACCT=/usr/local/bin/sacct                 # ahead of /usr/bin/sacct on PATH
+SACCT=/usr/bin/sacct                       # the real one is diverted to sacct.real while the cluster is up
 MARK="# fldp test cluster"                 # marks every file and line this script owns
 NODES=(n1 n2)
 PORTS=(17001 17002)
@@ -78,7 +79,11 @@ EOF
     echo "127.0.0.1 ${NODES[*]} $MARK" >>/etc/hosts
   fi
   # submitit polls `sacct`; without accounting the real one fails and a dead job would be waited on
-  # forever. This stand-in answers from `squeue -t all` in sacct's --parsable2 format.
+  # forever. This stand-in answers from `squeue -t all` in sacct's --parsable2 format. It replaces
+  # the real sacct in place (a dpkg diversion, undone by stop), so whatever PATH a caller has finds it.
+  if ! grep -qF "$MARK" "$SACCT" 2>/dev/null; then
+    dpkg-divert --local --rename --divert "$SACCT.real" --add "$SACCT" >/dev/null
+  fi
   cat >"$SACCT" <<'EOF'
 #!/bin/sh
 # fldp test cluster: sacct stand-in (no accounting database); job states from `squeue -t all`.
@@ -154,7 +159,10 @@ stop() {
   stop_pid "$STATE/slurmctld.pid"
   # munged is left running: other software on the host may use it
   rm -f "$CONF"
-  grep -qF "$MARK" "$SACCT" 2>/dev/null && rm -f "$SACCT"
+  if grep -qF "$MARK" "$SACCT" 2>/dev/null; then
+    rm -f "$SACCT"
+    dpkg-divert --local --rename --remove "$SACCT" >/dev/null
+  fi
   if grep -qF "$MARK" /etc/hosts; then
     grep -vF "$MARK" /etc/hosts >/etc/hosts.fldp && cat /etc/hosts.fldp >/etc/hosts && rm -f /etc/hosts.fldp
   fi
@@ -162,9 +170,18 @@ stop() {
   log "stopped"
 }
 
+report() {  # what a failed test run needs to know about the cluster, before stop removes the logs
+  echo "--- test cluster: nodes ---"; sinfo -N -o '%N %T %E' 2>&1 || true
+  echo "--- test cluster: jobs (newest 20) ---"; squeue -t all -o '%i %j %T %r %M %Z' 2>&1 | tail -20 || true
+  echo "--- test cluster: daemons' errors (last 20) ---"
+  grep -hiE 'drain|not responding|kill task|unkillable|error' "$STATE"/log/*.log 2>/dev/null \
+    | grep -viE 'pmix|MailProg|state file|Trying backup' | tail -20 || true
+}
+
 case "${1:-}" in
   start) start ;;
   stop) stop ;;
   status) sinfo -N -l ;;
-  *) echo "usage: $0 start|stop|status" >&2; exit 2 ;;
+  report) report ;;
+  *) echo "usage: $0 start|stop|status|report" >&2; exit 2 ;;
 esac

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,13 @@ from fldp.mesh import MeshShape
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Everything the tests load is on disk: never wait on a hub that a closed network may not refuse.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+# No test may hang the suite: past its limit it fails, saying where it was stuck. The slowest test
+# takes ~2 min here; @pytest.mark.limit_s(N) sets another limit for one test.
+TEST_LIMIT_S = float(os.environ.get("FLDP_TEST_LIMIT_S", 600))
 
 # Small, quick runs: the tests are about equivalences, not about learning.
 QUICK = ["wandb.mode=disabled", "trainer.progress=false", "trainer.eval_batches=1"]
@@ -89,6 +98,26 @@ def cli(*args: str, cwd: Path, timeout: float = 300, env: dict | None = None) ->
     """`python -m fldp.train ARGS` as a user runs it."""
     return subprocess.run([sys.executable, "-m", "fldp.train", *args], cwd=cwd, capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(autouse=True)
+def time_limit(request):
+    """SIGALRM at the test's limit raises in the test's (main) thread: a blocked wait, a subprocess
+    or local workers are interrupted and cleaned up by their own `finally`s, and the other tests run."""
+    marker = request.node.get_closest_marker("limit_s")
+    limit = float(marker.args[0]) if marker else TEST_LIMIT_S
+
+    def expire(signum, frame):
+        where = "".join(traceback.format_stack(frame)[-8:])
+        raise TimeoutError(f"{request.node.nodeid}: still running after its {limit:.0f} s limit; it was at:\n{where}")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, limit)  # not inherited by forked workers
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture
