@@ -181,8 +181,8 @@ def two_by_four(tmp_path_factory):
     start = time.monotonic()
     procs = {
         "submitted": subprocess.Popen(
-            [sys.executable, "-m", "fldp.train", *RUN, "topology=slurm_2x4", "cluster=slurm", "cluster.poll_s=1", "cluster.time_min=10",
-             f"hydra.run.dir={submitted}"], cwd=base, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+            [sys.executable, "-m", "fldp.train", *RUN, "topology=slurm_2x4", "cluster=slurm", "cluster.poll_s=1",
+             "cluster.time_min=10", f"hydra.run.dir={submitted}"], cwd=base, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
         "sbatch": subprocess.Popen(
             ["sbatch", "--wait", "--output", str(base / "sbatch.out"), str(ROOT / "slurm" / "generic.sbatch"),
              *RUN, f"hydra.run.dir={scripted}"], cwd=base, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
