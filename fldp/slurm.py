@@ -212,12 +212,7 @@ def job_state(job) -> str:
     """The job's SLURM state: sacct's, through submitit; where sacct has no answer (a site
     without accounting), squeue's, and ENDED once squeue has forgotten the job."""
     state = job.watcher.get_state(job.job_id, mode="force")
-    if state != "UNKNOWN":
-        return state
-    try:
-        r = subprocess.run(["squeue", "-h", "-t", "all", "-j", str(job.job_id), "-o", "%T"],
-                           capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
+    if state != "UNKNOWN" or (r := _squeue(job.job_id, "%T")) is None:
         return state
     states = sorted(set(r.stdout.split()))
     if r.returncode == 0 and states:  # one line per array task; any not ended keeps the job going
@@ -227,12 +222,17 @@ def job_state(job) -> str:
 
 def waiting_reason(job_id: str) -> str:
     """SLURM's reason a job is not running, e.g. ' (Resources)', ' (ReqNodeNotAvail)'; '' if none."""
-    try:
-        out = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%r"], capture_output=True,
-                             text=True, timeout=30).stdout.split()
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
+    out = (r := _squeue(job_id, "%r")) and r.stdout.split()
     return f" ({out[0]})" if out and out[0] != "None" else ""
+
+
+def _squeue(job_id: str, field: str) -> subprocess.CompletedProcess | None:
+    """`squeue` on one job (finished ones included) for one field; None if squeue cannot be run."""
+    try:
+        return subprocess.run(["squeue", "-h", "-t", "all", "-j", str(job_id), "-o", field],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
 
 
 def outcome(job, run_dir: str) -> dict:
