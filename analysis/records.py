@@ -8,13 +8,11 @@ from pathlib import Path
 
 import pandas as pd
 
+from fldp.setting import defining
+
 PHASES = ("forward", "backward", "optimizer", "aggregation")
 STEP_FIELDS = ("step", "perplexity", *(f"time_{p}" for p in PHASES), "time_step", "aggregated")
 SUMMARY_FIELDS = ("algorithm", "seed", "steps", "eval_perplexity", "eval_time_s")
-# Config sections that define an experiment; seed, W&B and cluster settings do not.
-CONFIG_SECTIONS = ("algorithm", "model", "trainer", "optimizer", "comm")
-DATASET_KEYS = ("name", "block_size", "train_blocks", "eval_blocks")
-NOT_SETUP = {"trainer.progress"}
 
 
 class RecordError(Exception):
@@ -42,27 +40,13 @@ class Run:
         return self.summary["seed"]
 
 
-def flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def setup_of(config: dict) -> dict:
-    """The hyper-parameters worth comparing across runs, from a (possibly unresolved) config."""
-    picked = {s: config[s] for s in CONFIG_SECTIONS if isinstance(config.get(s), dict)}
-    data = config.get("dataset") or {}
-    picked["dataset"] = {k: data[k] for k in DATASET_KEYS if k in data}
-    picked["topology"] = {"name": (config.get("topology") or {}).get("name")}
-    flat = flatten(picked)
+    """The keys that define the experiment (fldp.setting: not resume, checkpointing, progress, W&B,
+    cluster, paths or the byte meter), from a (possibly unresolved) config."""
     # an unresolved interpolation ("${topology.precision}") says nothing about the value: the
     # summary holds the resolved ones that matter
-    return {k: (json.dumps(v) if isinstance(v, list) else v) for k, v in flat.items()
-            if k not in NOT_SETUP and not (isinstance(v, str) and "${" in v)}
+    return {k: (json.dumps(v) if isinstance(v, list) else v) for k, v in defining(config).items()
+            if not (isinstance(v, str) and "${" in v)}
 
 
 def make_run(name: str, summary: dict | None, rows: list[dict], config: dict | None = None,

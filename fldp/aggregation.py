@@ -9,6 +9,7 @@ the model without an error).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from dataclasses import dataclass
 
@@ -116,14 +117,19 @@ class FedAvg:
             dist.broadcast(flat, group=self.replicate, group_src=0)
         _unpack(bucket, flat)
 
+    @contextlib.contextmanager
     @torch.no_grad()
-    def synchronise(self) -> None:
-        """Make every group start from group 0's weights (a broadcast over the federation dim)."""
-        for bucket in self.buckets:
-            flat = self._buffer(bucket, 0)
-            torch.cat([t.reshape(-1) for t in bucket], out=flat)
-            dist.broadcast(flat, group=self.federation, group_src=0)
-            _unpack(bucket, flat)
+    def averaged(self):
+        """Within the block, this rank holds the groups' average (for an evaluation); after it, its
+        own shards again, bit for bit: the training state does not change."""
+        shards = [t for bucket in self.buckets for t in bucket]
+        saved = [t.clone() for t in shards]
+        self()
+        try:
+            yield
+        finally:
+            for t, value in zip(shards, saved):
+                t.copy_(value)
 
 
 def _unpack(bucket: list[torch.Tensor], flat: torch.Tensor) -> None:

@@ -108,7 +108,8 @@ class Prediction:
 
 
 def predict(units: Units, shape: MeshShape, bandwidth: dict[str, float], every: int | None = None,
-            mode: str = "leader_broadcast", bucket_mb: float = 25.0) -> Prediction:
+            mode: str = "leader_broadcast", bucket_mb: float = 25.0,
+            reshard_root_after_forward: bool = False) -> Prediction:
     F, R, S = shape.federation, shape.replicate, shape.shard
     B_S, B_R, B_F = bandwidth["shard"], bandwidth["replicate"], bandwidth["federation"]
     A = every or 1
@@ -124,12 +125,14 @@ def predict(units: Units, shape: MeshShape, bandwidth: dict[str, float], every: 
         "broadcast": C_BC(ML, R, B_R) / A if federated and R > 1 and mode == "leader_broadcast" else 0.0,  # Eq. 5
     }
 
-    # --- exact variant: FSDP2 units, padding, two all-gathers + one reduce-scatter per unit
+    # --- exact variant: FSDP2 units, padding; per unit one reduce-scatter and two all-gathers
+    # (forward, backward), but one for the root unless it reshards after forward (FSDP1's policy)
     padded = units.padded_shard_bytes(S)
     L = units.L
+    gathers = [2] * (L - 1) + [2 if reshard_root_after_forward else 1]  # the root is the last unit
     if S > 1:
-        pred.step_bytes["shard"] = 3 * (S - 1) * sum(padded)
-        pred.step_collectives["shard"] = 3 * L
+        pred.step_bytes["shard"] = (S - 1) * sum(b * (g + 1) for b, g in zip(padded, gathers))
+        pred.step_collectives["shard"] = sum(gathers) + L
     if R > 1:
         pred.step_bytes["replicate"] = 2 * (R - 1) / R * sum(padded)
         pred.step_collectives["replicate"] = L
@@ -182,8 +185,9 @@ def table(cfg) -> list[dict]:
         shape = MeshShape(layout.federation, layout.replicate, layout.shard)
         bandwidth = tier_bandwidth(cfg.topology.network, shape)
         fed = every if name.startswith("fl_") else None
-        mode = (cfg.algorithm.get("fedavg") or {}).get("mode", "leader_broadcast")
-        pred = predict(units, shape, bandwidth, fed, mode)
+        # FL+HSDP's mode: the configured algorithm's, else the one the topology's reference numbers ran
+        mode = (cfg.algorithm.get("fedavg") or {}).get("mode") or cfg.topology.get("fedavg_mode", "leader_broadcast")
+        pred = predict(units, shape, bandwidth, fed, mode, reshard_root_after_forward=cfg.fsdp.reshard_root_after_forward)
         paper_total, exact_total = sum(pred.paper.values()), sum(pred.exact.values())
         rows.append({
             "algorithm": name, "mesh": str(shape), "every": fed,

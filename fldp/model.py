@@ -3,10 +3,10 @@ scratch), and sharded with FSDP2 per decoder layer and at the root."""
 from __future__ import annotations
 
 import torch
-from torch import nn
 from torch.distributed.fsdp import fully_shard
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from .init import init_parameters
 from .mesh import ConfigError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -42,33 +42,36 @@ def build_model(config: LlamaConfig, device: str | torch.device = "cpu") -> Llam
         return LlamaForCausalLM(config)
 
 
-def parallelize(model: LlamaForCausalLM, mesh, dtype: torch.dtype) -> LlamaForCausalLM:
+def parallelize(model: LlamaForCausalLM, mesh, dtype: torch.dtype,
+                reshard_root_after_forward: bool = False) -> LlamaForCausalLM:
     """FSDP2 on each decoder layer, then the root (embeddings, final norm, lm_head; a tied
     lm_head shares the root's embedding parameter). A 2-D (replicate, shard) mesh makes it HSDP.
-    Pure low precision as in the paper: parameters themselves are cast, no mixed-precision policy."""
-    model.to(dtype)
+    Pure low precision as in the paper: the parameters themselves are cast, no mixed-precision
+    policy; buffers keep the dtype the model gives them (transformers keeps RoPE's inv_freq fp32:
+    in bf16 its 0.2% error grows to ~0.85 rad of phase at position 2047).
+    Layers reshard after forward (all-gathered again in backward, FULL_SHARD). The root does not by
+    default: FSDP1's FULL_SHARD, which the authors ran, keeps the root gathered from forward to
+    backward; True adds one all-gather of the root unit per step."""
+    for p in model.parameters():
+        p.data = p.data.to(dtype)  # in place, so a tied lm_head stays the embedding's parameter
     for layer in model.model.layers:
-        # reshard after forward: the paper's FSDP all-gathers each layer again in backward
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
-    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_root_after_forward)
     return model
 
 
 @torch.no_grad()
-def init_weights(model: LlamaForCausalLM, device: torch.device) -> None:
-    """Materialise a meta-built (and possibly sharded) model on `device` with Llama's init:
-    N(0, initializer_range) for linear and embedding weights, ones for RMSNorm, and the rotary
-    frequencies recomputed (they are buffers, lost by `to_empty`). Same seed -> same values on
-    every rank holding the same shard; federation groups are synchronised afterwards anyway."""
-    model.to_empty(device=device)
-    std = model.config.initializer_range
-    for module in model.modules():
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-        elif type(module).__name__.endswith("RMSNorm"):
-            nn.init.ones_(module.weight)
-        elif type(module).__name__.endswith("RotaryEmbedding"):
-            with torch.device(device):
-                fresh = type(module)(model.config)
-            for name, buffer in fresh.named_buffers():
-                getattr(module, name).copy_(buffer)
+def init_weights(model: LlamaForCausalLM, device: torch.device, seed: int) -> None:
+    """Give a (possibly meta-built, possibly sharded) model its initial weights on `device`: the
+    parameters from (seed, name, element index) alone (fldp.init), so every algorithm, mesh and
+    init device starts from the same values; a meta-built model's buffers (the rotary
+    frequencies, lost by `to_empty`) are recomputed as the model defines them."""
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        model.to_empty(device=device)
+        for module in model.modules():
+            if type(module).__name__.endswith("RotaryEmbedding"):
+                with torch.device(device):
+                    fresh = type(module)(model.config)
+                for name, buffer in fresh.named_buffers():
+                    getattr(module, name).copy_(buffer)
+    init_parameters(model, seed, model.config.initializer_range)

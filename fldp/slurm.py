@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 
 from .launch import WorkerError
 from .mesh import ConfigError, MeshShape
+from .setting import differences, paper_config
 
 log = logging.getLogger("fldp")
 
@@ -123,20 +124,37 @@ def sbatch_script(params: dict, job_folder: Path) -> str:
     return _make_sbatch_string(command=command, folder=job_folder, **params)
 
 
+def planned_steps(cfg, world: int):
+    """trainer.steps, or one pass when the training block count is known from the config alone
+    (clean_mc4_it: 65,536 blocks / (512 ranks x 2) = 64); None when only the data can tell."""
+    blocks = cfg.dataset.get("train_blocks")
+    if cfg.trainer.steps is not None or blocks is None:
+        return cfg.trainer.steps
+    return blocks // (world * cfg.trainer.batch_size)
+
+
 def describe(cfg, shape: MeshShape, params: dict) -> str:
     t, tr = cfg.topology, cfg.trainer
     group_nodes = shape.group_size / t.procs_per_node
+    steps = planned_steps(cfg, shape.world)
+    fedavg = cfg.algorithm.get("fedavg") or {}
     lines = [
         f"mesh: {cfg.algorithm.name} {shape} (federation x replicate x shard) = {shape.world} ranks; "
         f"a federation group is {shape.group_size} ranks ({group_nodes:g} node(s)), a sharding group "
-        f"{shape.shard} ranks" + (f"; FedAvg every {cfg.algorithm.every} steps" if shape.federation > 1 else ""),
+        f"{shape.shard} ranks" + (f"; FedAvg every {cfg.algorithm.every} steps" if shape.federation > 1 else "")
+        + (f", {fedavg.get('mode')}" if shape.federation > 1 and shape.replicate > 1 else ""),
         f"run: model {cfg.model.name}, dataset {cfg.dataset.name}, {tr.precision}, batch {tr.batch_size} per "
-        f"rank, {tr.steps or 'one pass of'} steps, {cfg.optimizer.name} lr {cfg.optimizer.lr}, seed {cfg.seed}",
+        f"rank, {steps if steps is not None else 'one pass of'} steps, {cfg.optimizer.name} lr {cfg.optimizer.lr}, "
+        f"seed {cfg.seed}",
         f"job: {t.nodes} nodes x {t.procs_per_node} tasks = {shape.world} tasks, one rank each"
         f" ({'NCCL' if t.device == 'cuda' else 'gloo'}), partition {params.get('partition', '(default)')}, "
         f"account {params.get('account', '(not set)')}, qos {params.get('qos', '(default)')}, "
         f"{params['time']} min",
     ]
+    if t.get("paper_setting"):
+        differ = differences(cfg, paper_config(cfg.algorithm.name, t.name))
+        lines.append("setting: the paper's (paper.md, Section 5)" if not differ else
+                     "setting: NOT the paper's; differs in " + "; ".join(differ))
     return "\n".join(lines)
 
 

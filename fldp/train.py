@@ -44,6 +44,8 @@ def validate(cfg: DictConfig):
         (cfg.wandb.mode in ("offline", "online", "disabled"), "wandb.mode", cfg.wandb.mode, "offline, online or disabled"),
         (isinstance(t.checkpoint_every, int) and t.checkpoint_every >= 0, "trainer.checkpoint_every", t.checkpoint_every, "an integer >= 0"),
         (t.resume in (None, "auto"), "trainer.resume", t.resume, "null or auto"),
+        (isinstance(cfg.fsdp.reshard_root_after_forward, bool), "fsdp.reshard_root_after_forward",
+         cfg.fsdp.reshard_root_after_forward, "true or false"),
     ]
     for ok, key, value, expected in checks:
         if not ok:

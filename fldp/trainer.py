@@ -76,12 +76,15 @@ def _all_ranks(values: list[float], device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model, cfg, blocks: Blocks, device) -> tuple[float, float]:
-    """Mean loss over the held-out blocks (each rank its slice) and the wall time, max over ranks."""
+def evaluate(model, cfg, blocks: Blocks, device, groups: int = 1) -> tuple[list[float], float]:
+    """Mean held-out loss and the wall time (max over ranks). groups=1: the world scores one model,
+    each rank its slice of the split. groups=F: each federation group (a block of consecutive
+    ranks) scores its own model on the whole split, its ranks sharing it: one loss per group."""
     start = time.perf_counter()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    size = world // groups
     model.eval()
-    batches = RankBatches(blocks.eval, cfg.trainer.batch_size, dist.get_rank(), dist.get_world_size(),
-                          cfg.seed, shuffle=False)
+    batches = RankBatches(blocks.eval, cfg.trainer.batch_size, rank % size, size, cfg.seed, shuffle=False)
     losses = []
     for i, x in enumerate(batches.epoch(0)):
         if cfg.trainer.eval_batches is not None and i >= cfg.trainer.eval_batches:
@@ -89,31 +92,48 @@ def evaluate(model, cfg, blocks: Blocks, device) -> tuple[float, float]:
         x = x.to(device)
         losses.append(model(input_ids=x, labels=x).loss.float().item())
     model.train()
+    model.reshard()  # a root kept gathered after forward would hold stale weights once FedAvg runs
     if device.type == "cuda":
         torch.cuda.synchronize()
-    rows = _all_ranks([sum(losses), len(losses), time.perf_counter() - start], device)
-    if rows[:, 1].sum() == 0:
+    rows = _all_ranks([sum(losses), len(losses), time.perf_counter() - start], device).view(groups, size, 3)
+    counts = rows[..., 1].sum(dim=1)
+    if (counts == 0).any():
         raise ConfigError(f"dataset.eval_blocks: {len(blocks.eval)} held-out blocks are too few for one "
-                          f"batch of {cfg.trainer.batch_size} on each of {dist.get_world_size()} ranks")
-    return (rows[:, 0].sum() / rows[:, 1].sum()).item(), rows[:, 2].max().item()
+                          f"batch of {cfg.trainer.batch_size} on each of {size} ranks")
+    return (rows[..., 0].sum(dim=1) / counts).tolist(), rows[..., 2].max().item()
+
+
+def eval_row(model, cfg, blocks: Blocks, device, step: int, fedavg, groups_differ: bool) -> dict:
+    """An evaluation scores one model. While the federation groups differ (between aggregations),
+    that is their average, computed aside (the training state is restored bit for bit), and each
+    group's own perplexity is recorded beside it."""
+    extra, group_time = {}, 0.0
+    if groups_differ:
+        group_losses, group_time = evaluate(model, cfg, blocks, device, groups=fedavg.shape.federation)
+        extra = {"group_perplexity": [math.exp(x) for x in group_losses], "averaged": True}
+        with fedavg.averaged():
+            (loss,), eval_time = evaluate(model, cfg, blocks, device)
+    else:
+        (loss,), eval_time = evaluate(model, cfg, blocks, device)
+    return {"split": "eval", "step": step, "loss": loss, "perplexity": math.exp(loss),
+            "time_eval": eval_time + group_time, **extra}
 
 
 def sharded_model(cfg, vocab_size: int, mesh, device: torch.device):
-    """The Llama of cfg.model, sharded with FSDP2 over `mesh` (this rank's federation group).
-    Same seed everywhere: every rank builds the same model, so every group starts identical."""
-    torch.manual_seed(cfg.seed)
+    """The Llama of cfg.model, sharded with FSDP2 over `mesh` (this rank's federation group), with
+    initial weights that depend on the seed alone: the same for every algorithm, mesh and
+    `model.init_device` (cpu: built in full, then sharded; meta: only this rank's shard exists)."""
     meta = cfg.model.init_device == "meta"
     model = build_model(llama_config(cfg.model, vocab_size), "meta" if meta else device)
-    model = parallelize(model, mesh, DTYPES[cfg.trainer.precision])
-    if meta:
-        init_weights(model, device)
+    model = parallelize(model, mesh, DTYPES[cfg.trainer.precision], cfg.fsdp.reshard_root_after_forward)
+    init_weights(model, device, cfg.seed)
     return model
 
 
 def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None) -> dict | None:
     """Run one experiment on this rank (the process group is initialised). Rank 0 writes the
     records and returns the summary. `on_step(step, model, aggregated)`, if given, runs on every
-    rank after each step (tests inspect the parameters with it)."""
+    rank before the first step (step 0) and after each step (tests inspect the parameters with it)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     shape = mesh_shape(cfg)
     mesh = build_mesh(shape, device.type)
@@ -133,8 +153,8 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None)
         resume_from = latest(run_dir) if cfg.trainer.resume == "auto" else None
         if resume_from is not None:
             start = checkpointer.load(resume_from, model, optimizer, scheduler)
-    if fedavg is not None and start == 0:
-        fedavg.synchronise()  # all groups start from identical weights
+    if on_step is not None and start == 0:
+        on_step(0, model, False)  # the initial weights (identical in every group: fldp.init)
 
     batches = RankBatches(blocks.train, cfg.trainer.batch_size, rank, world, cfg.seed).stream(start)
     tokens_per_step = world * cfg.trainer.batch_size * blocks.train.shape[1]
@@ -187,18 +207,18 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None)
         if on_step is not None:
             on_step(step, model, aggregated)
         if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step != steps:
-            eval_loss, eval_time = evaluate(model, cfg, blocks, device)
+            evaluation = eval_row(model, cfg, blocks, device, step, fedavg, fedavg is not None and not aggregated)
             if recorder:
-                recorder.log({"split": "eval", "step": step, "loss": eval_loss,
-                              "perplexity": math.exp(eval_loss), "time_eval": eval_time})
+                recorder.log(evaluation)
         if checkpointer is not None and checkpointer.due(step):
             checkpointer.save(step, model, optimizer, scheduler)
 
-    eval_loss, eval_time = evaluate(model, cfg, blocks, device)
+    # after the last step's forced aggregation every group holds the same model
+    final = eval_row(model, cfg, blocks, device, steps, fedavg, groups_differ=False)
     if recorder is None:
         return None
-    recorder.log({"split": "eval", "step": steps, "loss": eval_loss, "perplexity": math.exp(eval_loss),
-                  "time_eval": eval_time})
+    recorder.log(final)
+    eval_loss, eval_time = final["loss"], final["time_eval"]
     summary = {
         "algorithm": cfg.algorithm.name, "federation": shape.federation, "replicate": shape.replicate,
         "shard": shape.shard, "every": fedavg_cfg.every if fedavg_cfg else None,

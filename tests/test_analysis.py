@@ -107,6 +107,33 @@ def test_one_seed_has_no_spread(sweep, tmp_path):
     assert "±" not in (tmp_path / "table3.md").read_text()
 
 
+def test_a_resumed_seed_is_the_same_configuration(sweep, tmp_path):
+    """Settings that control a run but not its mathematics (resume, checkpoints, progress, W&B, the
+    byte meter, the init device) never split a configuration: FSDP keeps one row and stays in the
+    ratios. A setting that does change it (the learning rate) still splits it."""
+    def copy_with(name, **changes):
+        tree = tmp_path / name
+        shutil.copytree(sweep, tree)
+        path = tree / "fsdp_seed1" / ".hydra" / "config.yaml"
+        config = OmegaConf.load(path)
+        for key, value in changes.items():
+            OmegaConf.update(config, key.replace("__", "."), value)
+        OmegaConf.save(config, path)
+        runs, _ = collect([str(tree)])
+        return build(runs, [], tmp_path / f"{name}_report", paper.load(), "test")
+
+    resumed = copy_with("resumed", trainer__resume="auto", trainer__checkpoint_every=2, trainer__progress=False,
+                        comm__measure=False, wandb__mode="offline", model__init_device="meta")
+    t3 = csv(resumed, "table3.csv")
+    assert t3.loc["FSDP", "seeds"] == 2 and not any(label.startswith("FSDP (") for label in t3.index)
+    assert "FSDP / FL+FSDP train time" in pd.read_csv(resumed.out / "ratios.csv")["ratio"].tolist()
+    assert "left out of the ratios" not in (resumed.out / "report.md").read_text()
+
+    other_lr = csv(copy_with("other_lr", optimizer__lr=1e-3), "table3.csv")
+    assert sorted(label for label in other_lr.index if label.startswith("FSDP")) == [
+        "FSDP (optimizer.lr=0.0003)", "FSDP (optimizer.lr=0.001)"]
+
+
 def test_figure_files_and_one_line_per_algorithm(sweep, report):
     png, pdf = report.out / "figure2.png", report.out / "figure2.pdf"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

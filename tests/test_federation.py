@@ -1,4 +1,6 @@
 """FedAvg across federation groups, on real processes over gloo."""
+import math
+
 import pytest
 import torch
 
@@ -55,3 +57,39 @@ def test_fl_fsdp_with_tied_embeddings(tmp_path):
     assert identical(g0, g1)
     assert not identical(snap.load(0, 0, 1), snap.load(1, 0, 1))
     assert identical(snap.load(0, 0, 3), snap.load(1, 0, 3))  # forced final aggregation
+
+
+def test_intermediate_evaluation_scores_the_groups_average(tmp_path):
+    """FL+FSDP 2x1x2, A=2, evaluation every step: at step 1 the groups differ, and the evaluation
+    scores their average (and each group), checked against plain single-process models built from
+    the groups' weights; training is not changed by it."""
+    from fldp.data import prepare
+    from fldp.model import build_model, llama_config
+
+    common = ["algorithm=fl_fsdp", "topology=local_4", "trainer.steps=2", "algorithm.every=2",
+              "trainer.eval_batches=null", "dataset.eval_blocks=8"]
+    cfg = compose_cfg(*common, "trainer.eval_every=1")
+    snap = Snapshot(tmp_path / "eval", [1, 2], cfg)
+    rows = train_world(cfg, tmp_path / "eval" / "run", snap)
+    evals = read_rows(tmp_path / "eval" / "run", "eval")
+    assert [e["step"] for e in evals] == [1, 2]
+    groups = [snap.load(f, 0, 1) for f in range(2)]
+    assert not identical(*groups)
+
+    blocks = prepare(cfg.dataset)
+
+    def score(params):  # mean loss over the whole held-out split, one unsharded model
+        model = build_model(llama_config(cfg.model, blocks.vocab_size))
+        model.load_state_dict(params, strict=False)  # parameters only; the rotary buffer is built
+        with torch.no_grad():
+            return sum(model(input_ids=x[None].long(), labels=x[None].long()).loss.item() for x in blocks.eval) / len(blocks.eval)
+
+    average = {n: (groups[0][n] + groups[1][n]) / 2 for n in groups[0]}
+    assert evals[0]["averaged"] is True
+    assert evals[0]["loss"] == pytest.approx(score(average), rel=1e-5)
+    for f in range(2):
+        assert math.log(evals[0]["group_perplexity"][f]) == pytest.approx(score(groups[f]), rel=1e-5)
+    assert "group_perplexity" not in evals[1]  # step 2 aggregated: one model, scored as at the end
+
+    plain = train_world(compose_cfg(*common), tmp_path / "plain" / "run")
+    assert [r["loss"] for r in plain] == [r["loss"] for r in rows]  # the evaluation changed nothing

@@ -5,7 +5,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 from conftest import Snapshot, compose_cfg, read_rows, train_world
 from fldp.data import RankBatches, prepare
-from fldp.model import build_model, llama_config
+from fldp.model import build_model, init_weights, llama_config
 from fldp.trainer import build_optimizer
 
 STEPS, WORLD = 10, 8
@@ -14,8 +14,8 @@ STEPS, WORLD = 10, 8
 def single_process(cfg):
     """The oracle: one unsharded model, each step's global batch = the 8 ranks' batches together."""
     blocks = prepare(cfg.dataset)
-    torch.manual_seed(cfg.seed)
     model = build_model(llama_config(cfg.model, blocks.vocab_size))
+    init_weights(model, torch.device("cpu"), cfg.seed)  # the run's init (tests/test_init.py checks it)
     optimizer = build_optimizer(model, cfg.optimizer)
     scheduler = get_cosine_schedule_with_warmup(optimizer, int(cfg.optimizer.warmup * STEPS), STEPS)
     ranks = [RankBatches(blocks.train, cfg.trainer.batch_size, r, WORLD, cfg.seed).stream() for r in range(WORLD)]
@@ -31,11 +31,17 @@ def single_process(cfg):
     return {n: p.detach() for n, p in model.named_parameters()}, losses
 
 
-def sharded(tmp_path, *overrides):
+def sharded(tmp_path, *overrides, initial: bool = False):
     cfg = compose_cfg("topology=local_8", f"trainer.steps={STEPS}", *overrides)
-    snap = Snapshot(tmp_path, [STEPS], cfg)
+    snap = Snapshot(tmp_path, [0, STEPS], cfg)
     rows = train_world(cfg, tmp_path / "run", snap)
-    return cfg, snap.load(0, 0, STEPS), [r["loss"] for r in rows]
+    final = snap.load(0, 0, STEPS)
+    return (cfg, final, [r["loss"] for r in rows]) + ((snap.load(0, 0, 0),) if initial else ())
+
+
+def moved(params: dict, initial: dict) -> bool:
+    """Training changed the weights: some parameter moved by more than 1e-3 from the run's own start."""
+    return any((params[n] - initial[n]).abs().max() > 1e-3 for n in initial)
 
 
 def assert_close(a: dict, b: dict, tol: float):
@@ -46,10 +52,9 @@ def assert_close(a: dict, b: dict, tol: float):
 
 @pytest.mark.parametrize("algorithm", ["fsdp", "hsdp"])
 def test_adamw_matches_single_process(tmp_path, algorithm):
-    cfg, params, losses = sharded(tmp_path, f"algorithm={algorithm}")
+    cfg, params, losses, initial = sharded(tmp_path, f"algorithm={algorithm}", initial=True)
     expected, expected_losses = single_process(cfg)
-    init = {n: p.detach() for n, p in build_model(llama_config(cfg.model, 4096)).named_parameters()}
-    assert any((params[n] - init[n]).abs().max() > 1e-3 for n in init)  # training moved the weights
+    assert moved(params, initial) and not moved(initial, initial)  # training moved the real initial weights
     assert_close(params, expected, 1e-5)
     # per-step perplexity: the mean of the 8 ranks' losses equals the global-batch loss
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-5)
@@ -67,3 +72,9 @@ def test_sgd_fl_fsdp_every_step_equals_hsdp(tmp_path):
     _, fl_2, _ = sharded(tmp_path / "fl2", "algorithm=fl_fsdp", "algorithm.every=2", *SGD)
     with pytest.raises(AssertionError):
         assert_close(fl_2, hsdp, 1e-6)
+
+
+def test_the_moved_check_fails_when_no_step_changes_the_weights(tmp_path):
+    """lr 0 (and so no weight decay either): ten steps, the weights stay at the run's initial ones."""
+    _, params, _, initial = sharded(tmp_path, "algorithm=fsdp", "optimizer.lr=0", initial=True)
+    assert not moved(params, initial)

@@ -132,8 +132,9 @@ def test_leonardo_dry_run_renders_the_paper_jobs(tmp_path):
         for flag in ("--nodes=128", "--ntasks-per-node=4", "--gpus-per-node=4", "--cpus-per-task=8",
                      "--partition=boost_usr_prod", "--exclusive"):
             assert f"#SBATCH {flag}\n" in text, flag
-        assert "run: model llama3_1_8b, dataset clean_mc4_it, bf16, batch 2 per rank, one pass of steps, " \
+        assert "run: model llama3_1_8b, dataset clean_mc4_it, bf16, batch 2 per rank, 64 steps, " \
                "adamw lr 0.0003, seed 42" in text
+        assert "setting: the paper's (paper.md, Section 5)" in text
         assert ("FedAvg every 8 steps" in text) == algorithm.startswith("fl_")
         assert "export NCCL_IB_DISABLE=0" in text and "srun " in text
     assert seen == set(LEONARDO)
