@@ -21,7 +21,8 @@ from .figure import perplexity_figure, save
 from .records import Run
 
 # Summary/config keys that differ between algorithms by design (they ARE the algorithm).
-_ALGORITHM_KEYS = ("algorithm", "federation", "replicate", "shard", "every", "fedavg_mode", "config.algorithm.")
+_ALGORITHM_KEYS = ("algorithm", "federation", "replicate", "shard", "every", "fedavg_mode", "outer", "federate",
+                   "config.algorithm.")
 
 
 @dataclass
@@ -130,6 +131,10 @@ def _report_md(report, paper, command, t3, md3, md4, ratio_md, findings_md, foun
         f"Paper values from `analysis/paper_values.json`: {paper['source']}",
         "",
     ]
+    modes = sorted({f"{r.summary['fedavg_mode']} ({r.algorithm})" for r in runs if r.summary.get("fedavg_mode")})
+    if modes:  # FL+HSDP's aggregation traffic depends on it (paper.md: Eq. 5 vs the authors' code)
+        lines += [f"FedAvg mode of the runs with replicas: {', '.join(modes)}. The paper's Table 4 "
+                  "FL+HSDP times ran `all_replicas` (the authors' code); Eq. 5 models `leader_broadcast`.", ""]
     if report.problems:
         lines += ["Skipped runs:", ""] + [f"- {p}" for p in report.problems] + [""]
     if notes:

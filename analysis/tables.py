@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pandas as pd
 
+from fldp.setting import flatten
+
 from .records import PHASES, Run
 
 NAMES = {"fsdp": "FSDP", "hsdp": "HSDP", "fl_fsdp": "FL+FSDP", "fl_hsdp": "FL+HSDP"}
@@ -25,7 +27,7 @@ DERIVED = {"tokens", "world_size"}  # follow from other settings; never worth a 
 
 def setup(run: Run) -> dict:
     """Everything that defines the experiment except the seed."""
-    fixed = {k: v for k, v in run.summary.items() if not _is_result(k)}
+    fixed = {k: v for k, v in flatten(run.summary).items() if not _is_result(k)}  # outer -> outer.lr, ...
     return {**{f"config.{k}": v for k, v in run.config.items()}, **fixed}
 
 
@@ -38,9 +40,11 @@ def labels(runs: list[Run]) -> list[str]:
         others = [s for r, s in zip(runs, setups) if r.algorithm == run.algorithm]
         # a key only some runs have (records of an older version) is unknown, not a difference
         differ = sorted(k for k in mine if k not in DERIVED and any(k in s and s[k] != mine[k] for s in others))
-        # a config key repeating a summary key (trainer.steps = steps) is said once, by the summary
+        # a config key repeating a summary key (trainer.steps = steps, algorithm.outer.lr = outer.lr)
+        # is said once, by the summary
         short = {k for k in differ if not k.startswith("config.")}
-        differ = [k for k in differ if not (k.startswith("config.") and k.rsplit(".", 1)[-1] in short)]
+        differ = [k for k in differ if not (k.startswith("config.") and any(
+            k == f"config.{x}" or k.endswith(f".{x}") for x in short))]
         name = NAMES.get(run.algorithm, run.algorithm)
         detail = ", ".join(f"{k.removeprefix('config.')}={mine[k]}" for k in differ)
         out.append(f"{name} ({detail})" if differ else name)

@@ -1,17 +1,24 @@
-"""Decentralised FedAvg across federation groups, shard by shard.
+"""Decentralised aggregation across federation groups, shard by shard: FedAvg and outer optimisers.
 
-Every `every` steps (and at the last step) each rank averages its local parameter shards with the
-ranks holding the same shards in the other F-1 groups: an all-reduce over the mesh's federation
-dimension. Equal weights; optimiser state stays local. This is only correct if shard k of
-parameter p is the same slice of the same tensor in every group, so that is checked on
-construction, before anything is averaged (a silent average of unrelated values would corrupt
-the model without an error).
+Every A steps (a fixed period or a schedule, and always at the last step) each rank averages its
+local parameter shards with the ranks holding the same shards in the other F-1 groups: an
+all-reduce over the mesh's federation dimension. Equal weights; the inner optimiser's state stays
+local. With an outer optimiser (DiLoCo's Nesterov SGD, FedAdam), the average is not taken as the new
+model: the pseudo-gradient (the anchor, i.e. the weights of the last aggregation, minus the average)
+is handed to torch's SGD or Adam over the anchor, and every group continues from the new anchor.
+FedAvg is outer SGD with lr 1 and no momentum; it takes the average as it is (bit for bit, no anchor
+kept). Anchor and outer state are flat fp32 tensors per bucket, on this rank only (its own shards).
+
+Averaging is only correct if shard k of parameter p is the same slice of the same tensor in every
+group, so that is checked on construction, before anything is averaged (a silent average of
+unrelated values would corrupt the model without an error).
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -19,6 +26,8 @@ import torch.distributed as dist
 from .mesh import ConfigError, MeshShape
 
 MODES = ("leader_broadcast", "all_replicas")
+OUTER = ("sgd", "adam")
+REDUCE_DTYPES = {None: None, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 class ShardMismatchError(RuntimeError):
@@ -26,27 +35,118 @@ class ShardMismatchError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class FedAvgConfig:
-    every: int
-    mode: str = "leader_broadcast"
-    bucket_mb: float = 25.0
+class OuterConfig:
+    """The outer optimiser on the pseudo-gradient (algorithm.outer)."""
+    name: str = "sgd"
+    lr: float = 1.0
+    momentum: float = 0.0
+    nesterov: bool = False
+    betas: tuple = (0.9, 0.99)
+    eps: float = 1e-8
+    reduce_dtype: str | None = None   # None: the parameters' dtype (the authors' bf16 all-reduce)
 
     def __post_init__(self):
-        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
-            raise ConfigError(f"algorithm.every={self.every!r}: aggregation period must be an integer >= 1")
+        checks = [
+            (self.name in OUTER, "name", f"one of {list(OUTER)}"),
+            (_number(self.lr) and self.lr > 0, "lr", "a number > 0"),
+            (_number(self.momentum) and 0 <= self.momentum < 1, "momentum", "a number in [0, 1)"),
+            (isinstance(self.nesterov, bool) and not (self.nesterov and not self.momentum), "nesterov",
+             "true or false, and true needs momentum > 0"),
+            (isinstance(self.betas, (list, tuple)) and len(self.betas) == 2 and all(_number(b) and 0 <= b < 1 for b in self.betas), "betas",
+             "two numbers in [0, 1)"),
+            (_number(self.eps) and self.eps > 0, "eps", "a number > 0"),
+            (self.reduce_dtype in REDUCE_DTYPES, "reduce_dtype", "null (the parameters' dtype), bf16 or fp32"),
+        ]
+        for ok, key, expected in checks:
+            if not ok:
+                raise ConfigError(f"algorithm.outer.{key}={getattr(self, key)!r}: must be {expected}")
+
+    @property
+    def averages(self) -> bool:
+        """Plain FedAvg: the new model is the groups' average itself."""
+        return self.name == "sgd" and self.lr == 1 and self.momentum == 0
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def schedule_of(every) -> tuple[tuple[int, int], ...]:
+    """algorithm.every as ((first step after which it holds, A), ...): an integer A is ((0, A),);
+    a schedule [[0, 1], [16, 8]] is A = 1 for steps 1..16, then A = 8 (steps 24, 32, ...)."""
+    pairs = [[0, every]] if _number(every) and not isinstance(every, float) else every
+    try:
+        phases = tuple((int(start), int(period)) for start, period in pairs)
+        valid = (all(isinstance(x, int) and not isinstance(x, bool) for pair in pairs for x in pair)
+                 and phases[0][0] == 0 and all(a >= 1 for _, a in phases)
+                 and all(s1 < s2 for (s1, _), (s2, _) in zip(phases, phases[1:])))
+    except (TypeError, ValueError, IndexError):
+        valid = False
+    if not valid:
+        raise ConfigError(f"algorithm.every={every!r}: must be an integer A >= 1, or a schedule "
+                          f"[[0, A0], [step1, A1], ...] of increasing steps from 0 and periods >= 1")
+    return phases
+
+
+@dataclass(frozen=True)
+class FedAvgConfig:
+    every: object                      # an integer A, or a schedule (see schedule_of)
+    mode: str = "leader_broadcast"
+    bucket_mb: float = 25.0
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    federate: tuple = (".*",)          # regular expressions over parameter names; the rest stays local
+
+    def __post_init__(self):
+        object.__setattr__(self, "schedule", schedule_of(self.every))
         if self.mode not in MODES:
             raise ConfigError(f"algorithm.fedavg.mode={self.mode!r}: must be one of {list(MODES)}")
         if not self.bucket_mb > 0:
             raise ConfigError(f"algorithm.fedavg.bucket_mb={self.bucket_mb!r}: must be > 0")
+        for pattern in self.federate:
+            try:
+                re.compile(pattern)
+            except (re.error, TypeError) as e:
+                raise ConfigError(f"algorithm.federate: {pattern!r} is not a regular expression ({e})") from None
+
+    @property
+    def period(self) -> int:
+        """The aggregation period in force at the end of the run (the cost model's A)."""
+        return self.schedule[-1][1]
+
+    def due(self, step: int, last_step: int) -> bool:
+        """Aggregate every A steps of the phase holding `step`, and at the last step."""
+        start, period = next(p for p in reversed(self.schedule) if p[0] < step)
+        return (step - start) % period == 0 or step == last_step
+
+    def federated(self, names: list[str]) -> list[bool]:
+        """Which parameters are averaged; a pattern that matches no name is a config error."""
+        for pattern in self.federate:
+            if not any(re.fullmatch(pattern, n) for n in names):
+                raise ConfigError(f"algorithm.federate: {pattern!r} matches no parameter name "
+                                  f"(names look like {names[0]!r}, {names[-1]!r})")
+        return [any(re.fullmatch(p, n) for p in self.federate) for n in names]
 
     @classmethod
     def from_algorithm(cls, algorithm_cfg) -> FedAvgConfig | None:
         """None for the algorithms without a federation (fsdp, hsdp)."""
         if not algorithm_cfg.name.startswith("fl_"):
             return None
+        from omegaconf import OmegaConf
+
         fedavg = algorithm_cfg.get("fedavg") or {}
-        return cls(every=algorithm_cfg.every, mode=fedavg.get("mode", "leader_broadcast"),
-                   bucket_mb=fedavg.get("bucket_mb", 25.0))
+        outer = OmegaConf.to_container(algorithm_cfg.outer, resolve=True) if algorithm_cfg.get("outer") else {}
+        unknown = set(outer) - set(OuterConfig.__dataclass_fields__)
+        if unknown:
+            raise ConfigError(f"algorithm.outer.{sorted(unknown)[0]}: not a setting of the outer optimiser "
+                              f"(settings: {sorted(OuterConfig.__dataclass_fields__)})")
+        if "betas" in outer:
+            outer["betas"] = tuple(outer["betas"]) if isinstance(outer["betas"], (list, tuple)) else outer["betas"]
+        every = algorithm_cfg.every
+        every = OmegaConf.to_container(every) if OmegaConf.is_config(every) else every
+        federate = algorithm_cfg.get("federate") or [".*"]
+        federate = tuple(OmegaConf.to_container(federate) if OmegaConf.is_config(federate) else federate)
+        return cls(every=every, mode=fedavg.get("mode", "leader_broadcast"),
+                   bucket_mb=fedavg.get("bucket_mb", 25.0), outer=OuterConfig(**outer), federate=federate)
 
 
 def shard_signature(model) -> list[tuple]:
@@ -60,23 +160,30 @@ def shard_signature(model) -> list[tuple]:
 
 
 class FedAvg:
-    """Averages local parameter shards across the federation dimension of `mesh`."""
+    """Averages local parameter shards across the federation dimension of `mesh`, then (with an
+    outer optimiser) steps the anchor with the pseudo-gradient."""
 
     def __init__(self, model, mesh, shape: MeshShape, config: FedAvgConfig, last_step: int):
         self.config, self.shape, self.last_step = config, shape, last_step
-        self.params = [p for _, p in model.named_parameters()]
+        named = list(model.named_parameters())
+        self.params = [p for (_, p), keep in zip(named, config.federated([n for n, _ in named])) if keep]
         self.federation = mesh["federation"].get_group()
         self.replicate = mesh["replicate"].get_group()
         self.replica_index = mesh["replicate"].get_local_rank()
-        # leader_broadcast: only replica 0 of each group joins the cross-group average.
+        # leader_broadcast: only replica 0 of each group joins the cross-group average (and the
+        # outer step), then hands the result to its replicas.
         self.broadcast = config.mode == "leader_broadcast" and shape.replicate > 1
+        self.leads = not self.broadcast or self.replica_index == 0
+        self.reduce_dtype = REDUCE_DTYPES[config.outer.reduce_dtype]
         self.buckets = self._buckets(int(config.bucket_mb * 2**20))
         self._buffers: dict = {}
         check_aligned(model, self.federation)
+        self.outer = Outer(config.outer, self.buckets) if self.leads and not config.outer.averages else None
 
     def due(self, step: int) -> bool:
-        """Aggregate every `every` steps and at the last step, so all groups end identical."""
-        return step % self.config.every == 0 or step == self.last_step
+        """Aggregate every A steps (of the schedule's phase) and at the last step, so all groups
+        end identical."""
+        return self.config.due(step, self.last_step)
 
     def _buckets(self, bucket_bytes: int) -> list[list[torch.Tensor]]:
         locals_ = [p.to_local() if hasattr(p, "to_local") else p for p in self.params]
@@ -86,33 +193,36 @@ class FedAvg:
         return [[locals_[i] for i in group] for group in groups]
 
     @torch.no_grad()
-    def __call__(self) -> None:
+    def __call__(self, outer_step: bool = True) -> None:
         """Pack bucket k+1 while bucket k is being reduced (two reusable buffers per dtype): the
-        copies overlap the collective, and nothing is allocated per aggregation."""
+        copies overlap the collective, and nothing is allocated per aggregation. outer_step=False:
+        the plain average, whatever the outer optimiser (an evaluation of the average)."""
         pending = None
         for i, bucket in enumerate(self.buckets):
             flat = self._buffer(bucket, i % 2)
-            torch.cat([t.reshape(-1) for t in bucket], out=flat)
-            reduce = not self.broadcast or self.replica_index == 0
-            work = dist.all_reduce(flat, group=self.federation, async_op=True) if reduce else None
+            _pack(bucket, flat)
+            work = dist.all_reduce(flat, group=self.federation, async_op=True) if self.leads else None
             if pending:
-                self._finish(*pending)
-            pending = (bucket, flat, work)
+                self._finish(*pending, outer_step)
+            pending = (i, bucket, flat, work)
         if pending:
-            self._finish(*pending)
+            self._finish(*pending, outer_step)
 
     def _buffer(self, bucket, parity: int) -> torch.Tensor:
         numel = sum(t.numel() for t in bucket)
-        key = (bucket[0].dtype, parity)
+        dtype = self.reduce_dtype or bucket[0].dtype
+        key = (dtype, parity)
         if key not in self._buffers or self._buffers[key].numel() < numel:
-            self._buffers[key] = torch.empty(numel, dtype=bucket[0].dtype, device=bucket[0].device)
+            self._buffers[key] = torch.empty(numel, dtype=dtype, device=bucket[0].device)
         return self._buffers[key][:numel]
 
-    def _finish(self, bucket, flat, work) -> None:
+    def _finish(self, index, bucket, flat, work, outer_step: bool) -> None:
         if work is not None:
             work.wait()
             # gloo has no AVG: sum, then divide (identical bits on every rank of the group)
             flat.div_(self.shape.federation)
+            if self.outer is not None and outer_step:
+                self.outer.step(index, flat)
         if self.broadcast:
             dist.broadcast(flat, group=self.replicate, group_src=0)
         _unpack(bucket, flat)
@@ -120,16 +230,79 @@ class FedAvg:
     @contextlib.contextmanager
     @torch.no_grad()
     def averaged(self):
-        """Within the block, this rank holds the groups' average (for an evaluation); after it, its
-        own shards again, bit for bit: the training state does not change."""
+        """Within the block, this rank holds the groups' plain average (for an evaluation); after it,
+        its own shards again, bit for bit: the training state (outer state too) does not change."""
         shards = [t for bucket in self.buckets for t in bucket]
         saved = [t.clone() for t in shards]
-        self()
+        self(outer_step=False)
         try:
             yield
         finally:
             for t, value in zip(shards, saved):
                 t.copy_(value)
+
+    # the outer state, for checkpoints (fldp.checkpoint saves registered stateful components)
+    def state_dict(self) -> dict:
+        return self.outer.state_dict() if self.outer is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.outer is not None:
+            self.outer.load_state_dict(state)
+
+
+class Outer:
+    """torch's SGD or Adam over the anchor: one flat fp32 tensor per FedAvg bucket, holding this
+    rank's shards of the weights at the last aggregation. The pseudo-gradient is anchor - average;
+    after the step the anchor is the new model for every group."""
+
+    def __init__(self, config: OuterConfig, buckets: list[list[torch.Tensor]]):
+        self.anchors = [torch.cat([t.detach().reshape(-1).float() for t in bucket]) for bucket in buckets]
+        if config.name == "sgd":
+            make = lambda a: torch.optim.SGD([a], lr=config.lr, momentum=config.momentum,  # noqa: E731
+                                             nesterov=config.nesterov)
+        else:
+            make = lambda a: torch.optim.Adam([a], lr=config.lr, betas=tuple(config.betas), eps=config.eps)  # noqa: E731
+        self.optimizers = [make(a) for a in self.anchors]
+        for anchor, optimizer in zip(self.anchors, self.optimizers):
+            # the state torch would create at the first step, made now so a checkpoint can load into
+            # it (same values: a zero momentum buffer times momentum plus the gradient is the gradient)
+            if config.name == "sgd" and config.momentum:
+                optimizer.state[anchor]["momentum_buffer"] = torch.zeros_like(anchor)
+            elif config.name == "adam":
+                optimizer.state[anchor].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(anchor),
+                                               exp_avg_sq=torch.zeros_like(anchor))
+
+    def step(self, index: int, average: torch.Tensor) -> None:
+        """Step anchor `index` with the pseudo-gradient; write the new weights into `average`."""
+        anchor = self.anchors[index]
+        anchor.grad = anchor - average.float()
+        self.optimizers[index].step()
+        anchor.grad = None
+        average.copy_(anchor)
+
+    def state_dict(self) -> dict:
+        out = {}
+        for i, (anchor, optimizer) in enumerate(zip(self.anchors, self.optimizers)):
+            out[f"anchor_{i}"] = anchor
+            out.update({f"{key}_{i}": value for key, value in optimizer.state[anchor].items()})
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        for i, (anchor, optimizer) in enumerate(zip(self.anchors, self.optimizers)):
+            anchor.copy_(state[f"anchor_{i}"])
+            for key, value in optimizer.state[anchor].items():
+                value.copy_(state[f"{key}_{i}"])
+
+
+def _pack(bucket: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy a bucket's local shards into its flat buffer (cast to the reduce dtype if it differs)."""
+    if flat.dtype == bucket[0].dtype:
+        torch.cat([t.reshape(-1) for t in bucket], out=flat)  # one kernel
+        return
+    offset = 0
+    for t in bucket:
+        flat[offset:offset + t.numel()].copy_(t.reshape(-1))
+        offset += t.numel()
 
 
 def _unpack(bucket: list[torch.Tensor], flat: torch.Tensor) -> None:

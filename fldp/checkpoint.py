@@ -44,7 +44,13 @@ def check_mesh(path: Path, shape: MeshShape) -> None:
 
 
 class Checkpointer:
-    def __init__(self, run_dir: str, shape: MeshShape, algorithm: str, every: int, last_step: int):
+    """`stateful`: further components to save beside model and optimiser, by name (anything with
+    state_dict / load_state_dict whose tensors are this rank's own, e.g. the outer optimiser's
+    anchor and state: saved under the rank's own keys, so DCP keeps every rank's)."""
+
+    def __init__(self, run_dir: str, shape: MeshShape, algorithm: str, every: int, last_step: int,
+                 stateful: dict | None = None):
+        self.stateful = stateful or {}
         self.root = Path(run_dir) / "checkpoints"
         self.shape, self.algorithm, self.every, self.last_step = shape, algorithm, every, last_step
         self.rank = dist.get_rank()
@@ -58,8 +64,7 @@ class Checkpointer:
 
     def save(self, step: int, model, optimizer, scheduler) -> None:
         path = self.root / f"step_{step:08d}"
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd},
+        dcp.save(self._state(model, optimizer),
                  checkpoint_id=path / f"group_{self.federation_index}", process_group=self.group)
         torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state()},
                    path / f"rank_{self.rank}.pt")
@@ -73,13 +78,19 @@ class Checkpointer:
             os.replace(tmp, path / MARKER)
         dist.barrier()
 
+    def _state(self, model, optimizer) -> dict:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        return {"model": model_sd, "optim": optim_sd,
+                **{name: {f"rank_{self.rank}": c.state_dict()} for name, c in self.stateful.items()}}
+
     def load(self, path: Path, model, optimizer, scheduler) -> int:
         """Restore this rank from `path`; returns the step it was taken after."""
         check_mesh(path, self.shape)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+        state = self._state(model, optimizer)
         dcp.load(state, checkpoint_id=path / f"group_{self.federation_index}", process_group=self.group)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        for name, component in self.stateful.items():
+            component.load_state_dict(state[name][f"rank_{self.rank}"])
         extras = torch.load(path / f"rank_{self.rank}.pt", weights_only=False)
         scheduler.load_state_dict(extras["scheduler"])
         torch.set_rng_state(extras["rng"])

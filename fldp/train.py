@@ -30,7 +30,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are forked a
 def validate(cfg: DictConfig):
     """Fail fast on a config that cannot work; returns the mesh shape."""
     shape = mesh_shape(cfg)
-    FedAvgConfig.from_algorithm(cfg.algorithm)
+    federation = FedAvgConfig.from_algorithm(cfg.algorithm)
+    if federation is not None and federation.federate != (".*",):  # every pattern must name a parameter
+        from .model import build_model, llama_config
+
+        model = build_model(llama_config(cfg.model, cfg.model.vocab_size or 8), "meta")
+        federation.federated([name for name, _ in model.named_parameters()])
     t = cfg.trainer
     checks = [
         (t.steps is None or (isinstance(t.steps, int) and t.steps >= 1), "trainer.steps", t.steps, "an integer >= 1 or null"),

@@ -6,6 +6,7 @@ everything else (data, model, optimiser, schedule, timing, records) is shared.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 
@@ -149,7 +150,8 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None)
     start = 0
     checkpointer = None
     if cfg.trainer.checkpoint_every or cfg.trainer.resume:
-        checkpointer = Checkpointer(run_dir, shape, cfg.algorithm.name, cfg.trainer.checkpoint_every, steps)
+        checkpointer = Checkpointer(run_dir, shape, cfg.algorithm.name, cfg.trainer.checkpoint_every, steps,
+                                    stateful={"outer": fedavg} if fedavg is not None else None)
         resume_from = latest(run_dir) if cfg.trainer.resume == "auto" else None
         if resume_from is not None:
             start = checkpointer.load(resume_from, model, optimizer, scheduler)
@@ -222,6 +224,8 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None)
     summary = {
         "algorithm": cfg.algorithm.name, "federation": shape.federation, "replicate": shape.replicate,
         "shard": shape.shard, "every": fedavg_cfg.every if fedavg_cfg else None,
+        "outer": dataclasses.asdict(fedavg_cfg.outer) if fedavg_cfg else None,
+        "federate": list(fedavg_cfg.federate) if fedavg_cfg else None,
         "fedavg_mode": fedavg_cfg.mode if fedavg_cfg and shape.replicate > 1 else None,
         "world_size": world, "seed": cfg.seed, "steps": steps, "topology": cfg.topology.name,
         "model": cfg.model.name, "dataset": cfg.dataset.name, "precision": cfg.trainer.precision,

@@ -129,6 +129,8 @@ def test_a_resumed_seed_is_the_same_configuration(sweep, tmp_path):
     assert "FSDP / FL+FSDP train time" in pd.read_csv(resumed.out / "ratios.csv")["ratio"].tolist()
     assert "left out of the ratios" not in (resumed.out / "report.md").read_text()
 
+    assert "FedAvg mode" not in (resumed.out / "report.md").read_text()  # local_2's FL+HSDP has no replicas
+
     other_lr = csv(copy_with("other_lr", optimizer__lr=1e-3), "table3.csv")
     assert sorted(label for label in other_lr.index if label.startswith("FSDP")) == [
         "FSDP (optimizer.lr=0.0003)", "FSDP (optimizer.lr=0.001)"]
@@ -307,3 +309,28 @@ def test_online_project_through_the_public_api(sweep, monkeypatch):
     assert list(runs[0].steps["time_step"]) == [r["time_step"] for r in rows]
     assert problems == [f"wandb:team/fldp/dead (dead): no final W&B summary: the run did not finish "
                         f"(crashed or still running) after step {STEPS}"]
+
+
+def test_report_says_which_fedavg_mode_ran(sweep, tmp_path):
+    tree = tmp_path / "tree"
+    shutil.copytree(sweep / "fl_hsdp_seed0", tree / "fl_hsdp_seed0")
+    path = tree / "fl_hsdp_seed0" / "summary.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "fedavg_mode": "all_replicas"}))
+    runs, _ = collect([str(tree)])
+    text = (build(runs, [], tmp_path / "report", paper.load(), "test").out / "report.md").read_text()
+    assert "FedAvg mode of the runs with replicas: all_replicas (fl_hsdp)." in text
+
+
+def test_outer_optimiser_settings_label_configurations(sweep, tmp_path):
+    """A sweep over algorithm.outer.lr: one row per value, labelled once by the summary's outer.lr."""
+    for lr in (0.5, 0.7):
+        run = tmp_path / f"fl_fsdp_lr{lr}"
+        shutil.copytree(sweep / "fl_fsdp_seed0", run)
+        summary_path = run / "summary.json"
+        s = json.loads(summary_path.read_text())
+        summary_path.write_text(json.dumps({**s, "outer": {**s["outer"], "lr": lr}}))
+        config = OmegaConf.load(run / ".hydra" / "config.yaml")
+        OmegaConf.update(config, "algorithm.outer.lr", lr)
+        OmegaConf.save(config, run / ".hydra" / "config.yaml")
+    runs, _ = collect([str(tmp_path)])
+    assert sorted(tables.labels(runs)) == ["FL+FSDP (outer.lr=0.5)", "FL+FSDP (outer.lr=0.7)"]

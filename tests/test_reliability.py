@@ -58,8 +58,25 @@ def _children(pid: int) -> list[int]:
 
 @pytest.mark.parametrize("victim", ["worker", "launcher"])
 def test_kill_then_resume_equals_an_uninterrupted_run(tmp_path, uninterrupted, victim):
+    kill_and_resume(tmp_path, RUN, uninterrupted, victim)
+
+
+# DiLoCo's outer optimiser: Nesterov momentum and the anchor are state that must survive too
+DILOCO = [*RUN, "algorithm.outer.lr=0.7", "algorithm.outer.momentum=0.9", "algorithm.outer.nesterov=true"]
+
+
+def test_kill_then_resume_keeps_the_outer_optimiser_state(tmp_path):
+    uninterrupted_dir = tmp_path / "uninterrupted"
+    out = cli(*DILOCO, f"hydra.run.dir={uninterrupted_dir}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    kill_and_resume(tmp_path, DILOCO, uninterrupted_dir, "launcher")
+    saved = flatten(final_params(uninterrupted_dir, tmp_path))
+    assert any(".outer.rank_0.momentum_buffer_0" in k for k in saved), sorted(saved)[:5]
+
+
+def kill_and_resume(tmp_path, run, uninterrupted, victim):
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "fldp.train", *RUN, f"hydra.run.dir={run_dir}"],
+    proc = subprocess.Popen([sys.executable, "-m", "fldp.train", *run, f"hydra.run.dir={run_dir}"],
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
     while latest(run_dir) is None:  # wait for the first complete checkpoint
@@ -76,7 +93,7 @@ def test_kill_then_resume_equals_an_uninterrupted_run(tmp_path, uninterrupted, v
     killed_at = latest(run_dir).name
     assert killed_at != "step_00000012", "the run finished before it was killed"
 
-    out = cli(*RUN, "trainer.resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    out = cli(*run, "trainer.resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert [r["loss"] for r in read_rows(run_dir)] == [r["loss"] for r in read_rows(uninterrupted)]
     assert [r["step"] for r in read_rows(run_dir)] == list(range(1, 13))
