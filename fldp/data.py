@@ -4,20 +4,34 @@ As the authors' code: documents are tokenised (BOS ... EOS), concatenated and cu
 `block_size`-token blocks; the first `train_blocks` train. A DistributedSampler over the whole
 world (shuffle, seed, drop_last) gives every rank a disjoint slice. Tokenised blocks are cached on
 disk, keyed by everything that shapes them, so the 8 local workers (or N ranks) do not re-tokenise.
+
+The cache file records what it was made from (`made_from`: the dataset settings, the tokenizer's
+fingerprint, the size and modification time of every local source file) and its name is a hash of
+that, so a changed source or tokenizer is a miss. A file whose record disagrees (renamed, copied,
+corrupt) is stale: `prepare` (local runs, `python -m fldp.data`) makes it again, with a warning;
+the SLURM pre-flight (fldp/preflight.py) refuses it, so no job tokenises on its nodes.
+
+`python -m fldp.data [overrides]` makes the cache of a run's dataset here (a login node), with the
+same Hydra overrides as `python -m fldp.train`, and prints where it is and its block counts.
 """
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
+import logging
 import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 from torch.utils.data import DistributedSampler
 
 from .mesh import ConfigError
+
+log = logging.getLogger("fldp")
 
 
 @dataclass
@@ -25,13 +39,19 @@ class Blocks:
     train: torch.Tensor  # (N, block_size) int32
     eval: torch.Tensor   # (M, block_size) int32
     vocab_size: int      # the tokenizer's, incl. special tokens
+    cache: Path | None = None  # the file they were read from or saved to
+
+
+def looks_local(path: str) -> bool:
+    """A filesystem path, rather than a hub id or a `datasets` builder name."""
+    return path.startswith((".", "/", "~")) or Path(path).expanduser().exists()
 
 
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     local = Path(path)
-    if (path.startswith((".", "/", "~")) or local.exists()) and not local.expanduser().is_dir():
+    if looks_local(path) and not local.expanduser().is_dir():
         raise ConfigError(f"dataset.tokenizer={path}: no such tokenizer directory")
     try:
         return AutoTokenizer.from_pretrained(str(local.expanduser()) if local.exists() else path)
@@ -39,10 +59,28 @@ def load_tokenizer(path: str):
         raise ConfigError(f"dataset.tokenizer={path}: cannot load a tokenizer ({type(e).__name__}: {e})") from e
 
 
+def is_url(path: str) -> bool:
+    return "://" in path
+
+
+def is_glob(path: str) -> bool:
+    return any(c in path for c in "*?[")
+
+
 def _check_data_files(data_cfg) -> None:
     for split, path in (data_cfg.data_files or {}).items():
-        if "://" not in str(path) and not any(c in str(path) for c in "*?[") and not Path(path).exists():
+        if not is_url(str(path)) and not is_glob(str(path)) and not Path(path).exists():
             raise ConfigError(f"dataset.data_files.{split}={path}: no such file")
+
+
+def local_files(path: str) -> list[Path]:
+    """The local files a dataset.data_files entry names: itself, or what its glob matches; none for
+    a URL or a file that does not exist."""
+    if is_url(path):
+        return []
+    if is_glob(path):
+        return sorted(Path(p) for p in glob.glob(os.path.expanduser(path)) if Path(p).is_file())
+    return [p] if (p := Path(path).expanduser()).is_file() else []
 
 
 def _source(data_cfg, split: str) -> str:
@@ -99,11 +137,76 @@ def tokenize_blocks(tokenizer, documents, block_size: int, max_blocks: int | Non
     return torch.tensor(tokens[: n * block_size], dtype=torch.int32).view(n, block_size)
 
 
-def _cache_key(data_cfg, tokenizer) -> str:
-    fields = {k: v for k, v in data_cfg.items() if k not in ("cache_dir", "name")}
-    fingerprint = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
-    blob = json.dumps({"data": fields, "tokenizer": fingerprint}, sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+def _stat(path: Path, name: str) -> list:
+    st = path.stat()
+    return [name, st.st_size, st.st_mtime_ns]
+
+
+def source_fingerprint(data_cfg):
+    """Name, size and modification time of every local file the blocks are read from: the
+    data_files, or the files of a local dataset.path directory (hidden ones and the cache itself
+    left out). None for a hub dataset, which cannot be fingerprinted from here."""
+    if data_cfg.data_files:
+        return {split: [_stat(p, str(p)) for p in local_files(str(path))]
+                for split, path in data_cfg.data_files.items()}
+    root = Path(str(data_cfg.path)).expanduser()
+    if not root.is_dir():
+        return None
+    cache_dir = Path(os.path.expanduser(str(data_cfg.cache_dir))).resolve()
+    files = (p for p in sorted(root.rglob("*")) if p.is_file()
+             and not any(part.startswith(".") for part in p.relative_to(root).parts)
+             and not p.resolve().is_relative_to(cache_dir))
+    return [_stat(p, str(p.relative_to(root))) for p in files]
+
+
+def _tokenizer_fingerprint(tokenizer) -> str:
+    return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
+
+
+def cache_entry(data_cfg, tokenizer) -> tuple[Path, dict]:
+    """The cache file of these blocks and what it is made from (stored in it; its name hashes it).
+    JSON-normalised, so that it compares equal to what a file recorded."""
+    fields = OmegaConf.to_container(data_cfg, resolve=True)
+    made_from = json.loads(json.dumps({
+        "data": {k: v for k, v in fields.items() if k not in ("cache_dir", "name")},
+        "tokenizer": _tokenizer_fingerprint(tokenizer),
+        "source": source_fingerprint(data_cfg),
+    }, sort_keys=True, default=str))
+    key = hashlib.sha256(json.dumps(made_from, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(os.path.expanduser(str(data_cfg.cache_dir))) / f"{data_cfg.name}-{key}.pt", made_from
+
+
+class StaleCache(ConfigError):
+    """A cache file that holds blocks made from something else than what is asked."""
+
+
+def _differences(recorded, expected: dict) -> str:
+    if not isinstance(recorded, dict):
+        return "it records nothing of what it was made from (an older fldp wrote it)"
+    data = recorded.get("data") or {}
+    out = [f"dataset.{k}={data.get(k)!r} (now {expected['data'].get(k)!r})"
+           for k in sorted(set(data) | set(expected["data"])) if data.get(k) != expected["data"].get(k)]
+    if recorded.get("tokenizer") != expected["tokenizer"]:
+        out.append("another tokenizer")
+    if recorded.get("source") != expected["source"]:
+        out.append("other source files (names, sizes or modification times differ)")
+    return "it was made from " + ", ".join(out or ["something else"])
+
+
+def read_cache(path: Path, made_from: dict) -> dict | None:
+    """The saved blocks in `path`, None if there is no such file; StaleCache, naming the file and
+    what differs, when it was not made from `made_from` or cannot be read."""
+    if not path.exists():
+        return None
+    try:
+        saved = torch.load(path, mmap=True)  # mmap: the blocks are read only when used
+        recorded = json.loads(saved["made_from"]) if "made_from" in saved else None
+    except Exception as e:  # truncated or not a cache file
+        raise StaleCache(f"dataset.cache_dir: {path} cannot be read ({type(e).__name__}: {e})") from e
+    if recorded != made_from:
+        raise StaleCache(f"dataset.cache_dir: {path} does not match this dataset and tokenizer: "
+                         f"{_differences(recorded, made_from)}")
+    return saved
 
 
 def prepare(data_cfg) -> Blocks:
@@ -113,10 +216,14 @@ def prepare(data_cfg) -> Blocks:
         raise ConfigError(f"dataset.block_size={data_cfg.block_size}: must be >= 2")
     _check_data_files(data_cfg)
     tokenizer = load_tokenizer(str(data_cfg.tokenizer))
-    cache = Path(os.path.expanduser(str(data_cfg.cache_dir))) / f"{data_cfg.name}-{_cache_key(data_cfg, tokenizer)}.pt"
-    if cache.exists():
-        saved = torch.load(cache, mmap=True)
-        return Blocks(saved["train"], saved["eval"], saved["vocab_size"])
+    cache, made_from = cache_entry(data_cfg, tokenizer)
+    try:
+        saved = read_cache(cache, made_from)
+    except StaleCache as e:  # here the data is at hand: make it again (the SLURM pre-flight refuses it)
+        log.warning("%s; tokenising again", e)
+        saved = None
+    if saved is not None:
+        return Blocks(saved["train"], saved["eval"], saved["vocab_size"], cache)
     splits = {}
     for key, split, limit in (("train", data_cfg.train_split, data_cfg.train_blocks),
                               ("eval", data_cfg.eval_split, data_cfg.eval_blocks)):
@@ -124,10 +231,11 @@ def prepare(data_cfg) -> Blocks:
         if len(splits[key]) == 0:
             raise ConfigError(f"dataset.{key}_split={split}: no full block of {data_cfg.block_size} tokens "
                               f"in {_source(data_cfg, split)} (empty or too small corpus)")
-    blocks = Blocks(splits["train"], splits["eval"], len(tokenizer))
+    blocks = Blocks(splits["train"], splits["eval"], len(tokenizer), cache)
     cache.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=cache.parent, delete=False, suffix=".tmp") as f:
-        torch.save({"train": blocks.train, "eval": blocks.eval, "vocab_size": blocks.vocab_size}, f)
+        torch.save({"train": blocks.train, "eval": blocks.eval, "vocab_size": blocks.vocab_size,
+                    "made_from": json.dumps(made_from)}, f)
     os.replace(f.name, cache)  # atomic: a concurrent reader never sees half a file
     return blocks
 
@@ -157,3 +265,32 @@ class RankBatches:
                 if i >= offset:
                     yield batch
             epoch, offset = epoch + 1, 0
+
+
+def main() -> None:
+    """`python -m fldp.data [overrides]`: the run's token cache, made here once (a login node with
+    the data at hand) so that a SLURM job only reads it; prints where it is and its block counts."""
+    import sys
+
+    import hydra
+
+    # a preparation, not a run: no output directory, no log file (as fldp.cost)
+    sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+
+    @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+    def _run(cfg) -> None:
+        d = cfg.dataset
+        try:
+            blocks = prepare(d)
+        except ConfigError as e:
+            print(f"fldp: config error: {e}", file=sys.stderr)
+            sys.exit(2)
+        print(f"{blocks.cache}\ndataset {d.name}: {len(blocks.train)} train and {len(blocks.eval)} eval blocks "
+              f"of {d.block_size} tokens (asked: {d.train_blocks or 'all'} and {d.eval_blocks or 'all'}), "
+              f"vocabulary {blocks.vocab_size}")
+
+    _run()
+
+
+if __name__ == "__main__":
+    main()

@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from . import preflight
 from .launch import WorkerError
 from .mesh import ConfigError, MeshShape
 from .setting import differences, paper_config
@@ -164,11 +164,14 @@ def submit(cfg, run_dir: str, shape: MeshShape) -> dict | None:
     """Submit the run as one job. With cluster.wait, follow it and return rank 0's summary, or raise
     WorkerError with the first failing rank's error; otherwise return once it is queued."""
     params = job_parameters(cfg, shape)
+    found = preflight.problems(cfg, run_dir)  # what the job would find out only after its wait in the queue
     if cfg.cluster.dry_run:
         print(f"fldp: dry run (cluster={cfg.cluster.name}): nothing submitted\n{describe(cfg, shape, params)}\n"
               f"records: {Path(run_dir).absolute()}\n--- sbatch script ---\n"
-              f"{sbatch_script(params, job_folder_of(cfg, run_dir))}", flush=True)
+              f"{sbatch_script(params, job_folder_of(cfg, run_dir))}\n{preflight.report(found)}", flush=True)
         return None
+    if found := [*preflight.no_slurm(cfg), *found]:
+        raise ConfigError(f"nothing submitted; {preflight.report(found)}")
     job = submit_job(cfg, run_dir, shape)
     if not cfg.cluster.wait:
         print(f"fldp: submitted SLURM job {job.job_id} ({shape.world} ranks on {cfg.topology.nodes} nodes); "
@@ -184,10 +187,8 @@ def submit(cfg, run_dir: str, shape: MeshShape) -> dict | None:
 
 def submit_job(cfg, run_dir: str, shape: MeshShape, fn=run_rank):
     """sbatch the job that runs fn(cfg, run_dir) on every task; the submitit Job."""
-    if shutil.which("sbatch") is None or shutil.which("srun") is None:
-        raise ConfigError(f"cluster={cfg.cluster.name}: no SLURM reachable from here (sbatch/srun not on PATH); "
-                          f"run on the cluster's login node, add cluster.dry_run=true to see the job, or use "
-                          f"cluster=local")
+    if missing := preflight.no_slurm(cfg):
+        raise ConfigError(missing[0])
     import submitit
 
     params = job_parameters(cfg, shape)

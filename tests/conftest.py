@@ -120,6 +120,17 @@ def time_limit(request):
         signal.signal(signal.SIGALRM, previous)
 
 
+@pytest.fixture(scope="session")
+def token_cache(tmp_path_factory) -> Path:
+    """The default dataset's token cache, made as a user makes it before submitting to SLURM:
+    `python -m fldp.data`, with FLDP_CACHE set (here a temporary directory)."""
+    cache = tmp_path_factory.mktemp("fldp_cache")
+    out = subprocess.run([sys.executable, "-m", "fldp.data"], cwd=cache, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "FLDP_CACHE": str(cache)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return cache
+
+
 @pytest.fixture
 def snapshot_dir(tmp_path):
     d = tmp_path / "snapshots"

@@ -42,6 +42,9 @@ needs_slurm = pytest.mark.skipif(
 # The same tiny FL+HSDP run everywhere: 2x2x2 mesh, 4 steps, FedAvg every 2.
 RUN = ["algorithm=fl_hsdp", "trainer.steps=4", "algorithm.every=2", *QUICK]
 NO_SLURM_ENV = {"PATH": "/nonexistent"}  # no sbatch/srun (Python is started by its full path)
+# The pre-flight refuses run directories in /tmp, node-local on a real cluster; the test cluster's two
+# "nodes" are this one host, and pytest's run directories are in /tmp.
+SHARED_TMP = "cluster.node_local_dirs=[]"
 LEONARDO = {"fsdp": "1x1x512", "hsdp": "1x128x4", "fl_fsdp": "128x1x4", "fl_hsdp": "16x8x4"}
 
 
@@ -173,23 +176,26 @@ def test_rendezvous_from_the_allocation():
 # --- on the SLURM cluster ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def two_by_four(tmp_path_factory):
+def two_by_four(tmp_path_factory, token_cache):
     """The tiny FL+HSDP run three ways, the two SLURM jobs side by side: submitted through
-    cluster=slurm, through slurm/generic.sbatch, and on 8 local processes."""
+    cluster=slurm, through slurm/generic.sbatch, and on 8 local processes; all read the token cache
+    that `python -m fldp.data` made (the pre-flight of the submitted run requires it)."""
     base = tmp_path_factory.mktemp("two_by_four")
     wait_until_idle()
     submitted, scripted, local = base / "submitted", base / "sbatch", base / "local"
+    cache = f"dataset.cache_dir={token_cache}"
     start = time.monotonic()
     procs = {
         "submitted": subprocess.Popen(
-            [sys.executable, "-m", "fldp.train", *RUN, "topology=slurm_2x4", "cluster=slurm", "cluster.poll_s=1",
-             "cluster.time_min=10", f"hydra.run.dir={submitted}"], cwd=base, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+            [sys.executable, "-m", "fldp.train", *RUN, cache, "topology=slurm_2x4", "cluster=slurm", SHARED_TMP,
+             "cluster.poll_s=1", "cluster.time_min=10", f"hydra.run.dir={submitted}"], cwd=base,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
         "sbatch": subprocess.Popen(
             ["sbatch", "--wait", "--output", str(base / "sbatch.out"), str(ROOT / "slurm" / "generic.sbatch"),
-             *RUN, f"hydra.run.dir={scripted}"], cwd=base, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+             *RUN, cache, f"hydra.run.dir={scripted}"], cwd=base, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True, env={**os.environ, "FLDP_VENV": sys.prefix}),
     }
-    train_world(compose_cfg(*RUN, "topology=local_8"), local)
+    train_world(compose_cfg(*RUN, cache, "topology=local_8"), local)
     outcomes = {}
     try:
         for name, p in procs.items():
@@ -327,19 +333,19 @@ def test_a_cancelled_job_is_reported_failed(tmp_path, idle_cluster):
 
 
 @needs_slurm
-def test_a_failing_run_submitted_from_the_command_line_reports_the_cause(tmp_path, idle_cluster):
-    """A tokenizer path that does not exist: found by rank 0 inside the job; the run exits 1 with
-    rank 0's error, and no rank waits on it."""
+def test_a_failing_run_submitted_from_the_command_line_reports_the_cause(tmp_path, idle_cluster, token_cache):
+    """A vocabulary too small for the tokenizer, which passes the pre-flight and is found by the
+    ranks inside the job; the run exits 1 with the first failing rank's error, and no rank waits."""
     start = time.monotonic()
     try:
         out = cli("cluster=slurm", "topology=slurm_2x4", "topology.procs_per_node=2", "mesh.replicate=1",
-                  "cluster.poll_s=1", "dataset.tokenizer=/nonexistent/tokenizer", *QUICK,
-                  f"hydra.run.dir={tmp_path}", cwd=tmp_path, timeout=400)
+                  "cluster.poll_s=1", "model.vocab_size=1000", f"dataset.cache_dir={token_cache}", SHARED_TMP,
+                  *QUICK, f"hydra.run.dir={tmp_path}", cwd=tmp_path, timeout=400)
     finally:
         cancel_jobs_from(tmp_path)
     assert out.returncode == 1, out.stderr[-3000:]
-    assert "fldp: run failed: SLURM job" in out.stderr and "rank 0 failed first" in out.stderr
-    assert "dataset.tokenizer=/nonexistent/tokenizer" in out.stderr
+    assert "fldp: run failed: SLURM job" in out.stderr and re.search(r"rank \d+ failed first", out.stderr)
+    assert "has 4096 tokens but model.vocab_size=1000" in out.stderr
     assert time.monotonic() - start < 300
     assert not (tmp_path / "summary.json").exists()
 
