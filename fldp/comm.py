@@ -71,6 +71,9 @@ def _signatures() -> dict[str, tuple[str, str, int, int]]:
 
 
 _SIGNATURES = _signatures()
+# Both names: callers use torch.distributed.X, and distributed_c10d's own helpers (all_gather_object
+# -> all_gather) call X through their module; these count as the collectives they issue.
+_TARGETS = [(module, name) for module in (dist, c10d) for name in _SIGNATURES if hasattr(module, name)]
 
 
 def _arg(args, kwargs, name: str, position: int):
@@ -86,6 +89,7 @@ class CommMeter:
         self.dims = {mesh[d].get_group(): d for d in DIMS}
         self.bandwidth = bandwidth
         self._saved: list | None = None
+        self._recorders: dict = {}  # (name, original) -> its recorder, built once, not every step
         # a collective implemented by another (all_gather_into_tensor -> all_gather_single, which
         # distributed_c10d calls by its module name) counts once, as the outer call
         self._inside = threading.local()
@@ -98,12 +102,12 @@ class CommMeter:
     def __enter__(self):
         if self._saved is not None:
             raise RuntimeError("CommMeter is already active")
-        # both names: callers use torch.distributed.X, and distributed_c10d's own helpers
-        # (all_gather_object -> all_gather) call X through their module, as the c10d ops would show
-        self._saved = [(module, name, getattr(module, name))
-                       for module in (dist, c10d) for name in _SIGNATURES if hasattr(module, name)]
+        self._saved = [(module, name, getattr(module, name)) for module, name in _TARGETS]
         for module, name, original in self._saved:
-            setattr(module, name, self._recorder(name, original))
+            key = (name, original)
+            if key not in self._recorders:
+                self._recorders[key] = self._recorder(name, original)
+            setattr(module, name, self._recorders[key])
         return self
 
     def __exit__(self, *exc) -> None:
