@@ -5,9 +5,10 @@ import json
 import pytest
 import torch
 
-from conftest import cli, compose_cfg, read_rows
+from conftest import cli, compose_cfg, read_rows, run_world
+from fldp.comm import CommMeter
 from fldp.cost import Units, model_units, predict, tier_bandwidth
-from fldp.mesh import MeshShape, mesh_shape
+from fldp.mesh import MeshShape, build_mesh, mesh_shape
 from fldp.model import build_model, llama_config
 
 
@@ -78,6 +79,33 @@ def test_measured_bytes_equal_the_exact_model(tmp_path, overrides):
         assert measured == pytest.approx(expected, rel=1e-12), f"step {row['step']}"
     if "bucket_mb=0.1" in overrides:
         assert pred.aggregation_collectives["federation"] > 5  # several buckets, each tensor once
+
+
+def _meter_rank(device):
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    mesh = build_mesh(MeshShape(1, 1, 2), "cpu")
+    shard, other = mesh["shard"].get_group(), dist.new_group([0, 1])
+    originals = [getattr(m, n) for m in (dist, c10d) for n in ("all_reduce", "all_gather_single", "broadcast")]
+    meter = CommMeter(mesh)
+    x = torch.ones(4)                                                   # 16 bytes, 2 ranks
+    with meter:
+        dist.all_reduce(x, group=shard)                                 # 2 (n-1)/n 16 = 16
+        dist.all_gather_into_tensor(torch.empty(8), x, group=shard)     # calls all_gather_single: once, 16
+        dist.reduce_scatter_single(output=torch.empty(2), input=x, group=shard)  # FSDP2's keywords: 8
+        dist.all_reduce(x, group=shard, async_op=True).wait()           # 16
+        dist.broadcast(x, group=other, group_src=0)                     # not a mesh dimension: 8
+    dist.all_reduce(x)                                                  # outside the meter (the trainer's stats)
+    assert [getattr(m, n) for m in (dist, c10d) for n in ("all_reduce", "all_gather_single", "broadcast")] == originals
+    assert meter.take() == {"bytes_federation": 0, "bytes_replicate": 0, "bytes_shard": 56,
+                            "collectives_federation": 0, "collectives_replicate": 0, "collectives_shard": 4,
+                            "bytes_other": 8, "collectives_other": 1}
+    assert meter.take()["collectives_shard"] == 0
+
+
+def test_meter_counts_only_inside_and_restores_torch_distributed():
+    run_world(_meter_rank, 2)
 
 
 def test_emulated_tiers_slow_collectives_down(tmp_path):
