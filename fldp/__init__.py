@@ -5,6 +5,17 @@ from omegaconf import OmegaConf
 
 ASSETS = Path(__file__).parent / "assets"
 
+
+def _conf_dir() -> Path:
+    """The config groups: `fldp/conf` in an installed wheel (pyproject maps the repository's conf/
+    into the package), the repository's own conf/ in a checkout."""
+    packaged = Path(__file__).parent / "conf"
+    return packaged if (packaged / "config.yaml").is_file() else Path(__file__).resolve().parents[1] / "conf"
+
+
+# Hydra's config_path (absolute, so it works from a checkout and from site-packages alike)
+CONF = _conf_dir()
+
 # ${fldp_asset:diodati_1649/train.jsonl.gz} -> the file shipped inside the package
 OmegaConf.register_new_resolver("fldp_asset", lambda rel: str(ASSETS / rel), replace=True)
 

@@ -277,7 +277,9 @@ def main() -> None:
     # a preparation, not a run: no output directory, no log file (as fldp.cost)
     sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
 
-    @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+    from . import CONF
+
+    @hydra.main(config_path=str(CONF), config_name="config", version_base="1.3")
     def _run(cfg) -> None:
         d = cfg.dataset
         try:

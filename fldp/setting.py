@@ -8,11 +8,9 @@ The analysis labels configurations by the defining keys only, and the dry run co
 paper's setting through them."""
 from __future__ import annotations
 
-from pathlib import Path
-
 from omegaconf import OmegaConf
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+from . import CONF
 
 # config sections that define an experiment (the seed is the replicate index, not a configuration)
 SECTIONS = ("algorithm", "mesh", "model", "trainer", "optimizer", "fsdp", "comm")

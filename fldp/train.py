@@ -17,7 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from . import launch, slurm
+from . import CONF, launch, slurm
 from .aggregation import FedAvgConfig
 from .checkpoint import check_mesh, latest
 from .data import prepare
@@ -125,7 +125,7 @@ def run(cfg: DictConfig, run_dir: str) -> dict | None:
     return None
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+@hydra.main(config_path=str(CONF), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> dict | None:
     try:
         summary = run(cfg, HydraConfig.get().runtime.output_dir)

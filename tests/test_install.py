@@ -1,0 +1,94 @@
+"""The package as a user installs it: a wheel built from this checkout, installed into a fresh
+directory, used from a directory that is not the checkout (the configs must come from the wheel)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+SOURCES = ("pyproject.toml", "README.md", "fldp", "analysis", "conf")
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    """`pip wheel` of a copy of the sources (the build writes build/ and *.egg-info beside them),
+    then `pip install --target`; the dependencies come from this environment."""
+    base = tmp_path_factory.mktemp("install")
+    src = base / "src"
+    for name in SOURCES:
+        source = ROOT / name
+        if source.is_dir():
+            shutil.copytree(source, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        else:
+            src.mkdir(exist_ok=True)
+            shutil.copy2(source, src / name)
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(base / "dist"), str(src)],
+                   check=True, capture_output=True, timeout=300)
+    (wheel,) = (base / "dist").glob("fldp-*.whl")
+    target = base / "site"
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(target), str(wheel)],
+                   check=True, capture_output=True, timeout=300)
+    return target
+
+
+def outside(target: Path, cwd: Path, *command: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """A command run from `cwd` with only the installed package on PYTHONPATH (not this checkout)."""
+    environ = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    environ.update(PYTHONPATH=str(target), FLDP_CACHE=str(cwd / "cache"), **(env or {}))
+    exe = target / "bin" / command[0]
+    argv = [str(exe), *command[1:]] if exe.exists() else [sys.executable, *command]
+    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=300, env=environ)
+
+
+def test_the_wheel_carries_the_configs_and_runs_outside_the_checkout(installed, tmp_path):
+    where = outside(installed, tmp_path, "-c", "import fldp; print(fldp.__file__); print(fldp.CONF)")
+    assert where.returncode == 0, where.stderr[-2000:]
+    module, conf = where.stdout.split()
+    assert Path(module).is_relative_to(installed) and Path(conf) == installed / "fldp" / "conf"
+
+    job = outside(installed, tmp_path, "fldp-train", "--cfg", "job", "algorithm=fsdp", "topology=local_2")
+    assert job.returncode == 0, job.stderr[-2000:]
+    assert "name: fsdp" in job.stdout and "name: local_2" in job.stdout
+
+    run_dir = tmp_path / "run"
+    run = outside(installed, tmp_path, "fldp-train", "algorithm=fl_fsdp", "topology=local_2", "trainer.steps=1",
+                  "trainer.eval_batches=1", "trainer.progress=false", "wandb.mode=disabled",
+                  f"hydra.run.dir={run_dir}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["algorithm"], summary["world_size"], summary["steps"]) == ("fl_fsdp", 2, 1)
+
+    # the same through `python -m`, and the other two commands
+    assert outside(installed, tmp_path, "-m", "fldp.train", "--cfg", "job").returncode == 0
+    cost = outside(installed, tmp_path, "fldp-cost", "--json")
+    assert cost.returncode == 0 and json.loads(cost.stdout), cost.stderr[-2000:]
+    report = outside(installed, tmp_path, "fldp-report", str(run_dir), "--out", str(tmp_path / "report"))
+    assert report.returncode == 0, report.stderr[-2000:]
+    assert (tmp_path / "report" / "report.md").exists()
+
+
+def test_help_lists_the_groups_and_examples(installed, tmp_path):
+    out = outside(installed, tmp_path, "fldp-train", "--help")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "algorithm: fl_fsdp, fl_hsdp, fsdp, hsdp" in out.stdout
+    assert "topology: " in out.stdout and "model: llama3_1_8b, tiny_llama" in out.stdout
+    examples = out.stdout.split("== Examples ==")[1].split("==")[0]
+    assert sum(line.strip().startswith("fldp-train") for line in examples.splitlines()) >= 5
+
+
+def test_shell_completion(installed, tmp_path):
+    script = outside(installed, tmp_path, "fldp-train", "--shell-completion", "install=bash")
+    assert script.returncode == 0, script.stderr[-2000:]
+    assert "hydra_bash_completion" in script.stdout and script.stdout.strip().endswith("fldp-train")
+    # what bash asks when the user presses TAB after `fldp-train algo`
+    query = outside(installed, tmp_path, "fldp-train", "-sc", "query=bash",
+                    env={"COMP_LINE": "fldp-train algo", "COMP_POINT": "15"})
+    assert query.returncode == 0 and "algorithm=" in query.stdout.split(), query.stdout + query.stderr[-2000:]
