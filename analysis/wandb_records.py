@@ -19,10 +19,18 @@ _BLOCK = 32768
 _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
 
 
+# The versions of wandb whose offline logs this reader was tested on (pyproject pins wandb to them);
+# another may change the log and is refused with both versions named, not misread.
+TESTED_WANDB = "0.19.11, 0.31.0"
+_LOG_VERSION = 0
+
+
 def _payloads(data: bytes, name: str):
-    ident, magic, _ = _FILE_HEADER.unpack_from(data, 0)
+    ident, magic, version = _FILE_HEADER.unpack_from(data, 0)
     if ident != b":W&B" or magic != 0xBEE1:
         raise RecordError(name, "not a W&B transaction log (bad header)")
+    if version != _LOG_VERSION:
+        raise FormatError(name, f"log format version {version}, this reader knows version {_LOG_VERSION}")
     pos, pending = _FILE_HEADER.size, b""
     while pos + _RECORD_HEADER.size <= len(data):
         room = _BLOCK - pos % _BLOCK
@@ -61,19 +69,53 @@ def _split_row(flat: dict) -> list[dict]:
     return rows
 
 
-def read_offline(folder: Path, name: str | None = None) -> Run:
-    """A `wandb/offline-run-*` (or synced `run-*`) folder."""
+class FormatError(RecordError):
+    """A `.wandb` log this reader cannot read; the message names the wandb versions involved."""
+
+    def __init__(self, run: str, problem: str, producer: str | None = None):
+        from importlib.metadata import version
+
+        wrote = f"written by wandb {producer}; " if producer else ""
+        super().__init__(run, f"cannot read this W&B log ({problem}; {wrote}wandb {version('wandb')} installed; "
+                              f"the reader is tested with wandb {TESTED_WANDB}): read the run's metrics.jsonl "
+                              f"and summary.json instead")
+
+
+def records(folder: Path, name: str | None = None):
+    """The protobuf records of a `wandb/offline-run-*` (or synced `run-*`) folder's log, in order."""
+    from google.protobuf.message import DecodeError
     from wandb.proto import wandb_internal_pb2 as pb
 
-    folder = Path(folder)
     name = name or str(folder)
-    logs = sorted(folder.glob("*.wandb"))
+    logs = sorted(Path(folder).glob("*.wandb"))
     if not logs:
         raise RecordError(name, "no .wandb file in this W&B run folder")
-    rows, summary, config, exited = [], {}, {}, False
+    producer = None
     for payload in _payloads(logs[0].read_bytes(), name):
         record = pb.Record()
-        record.ParseFromString(payload)
+        try:
+            record.ParseFromString(payload)
+        except DecodeError as e:
+            raise FormatError(name, f"a record does not parse: {e}", producer) from None
+        if record.WhichOneof("record_type") == "header":
+            producer = record.header.version_info.producer.split("+")[0] or None
+        yield record
+
+
+def run_record(folder: Path):
+    """The run's own record (id, group, job type, tags, ...): wandb_internal_pb2.RunRecord."""
+    for record in records(folder):
+        if record.WhichOneof("record_type") == "run":
+            return record.run
+    raise RecordError(str(folder), "no run record in this W&B log")
+
+
+def read_offline(folder: Path, name: str | None = None) -> Run:
+    """A `wandb/offline-run-*` (or synced `run-*`) folder."""
+    folder = Path(folder)
+    name = name or str(folder)
+    rows, summary, config, exited = [], {}, {}, False
+    for record in records(folder, name):
         kind = record.WhichOneof("record_type")
         if kind == "history":
             rows += _split_row({_key(i): json.loads(i.value_json) for i in record.history.item})

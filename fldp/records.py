@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
+import string
 import warnings
 from pathlib import Path
 
@@ -68,6 +70,30 @@ class Recorder:
             self.wandb.finish()
 
 
+def wandb_id(run_dir: Path) -> str:
+    """The W&B run id of this run directory, kept in RUN_DIR/wandb_id: a resumed run
+    (trainer.resume=auto) continues the W&B run it started instead of starting another."""
+    path = run_dir / "wandb_id"
+    if path.is_file() and path.read_text().strip():
+        return path.read_text().strip()
+    # W&B's own format (8 of [a-z0-9]); made here, as wandb's helper for it is not public API
+    run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(run_id + "\n")
+    os.replace(tmp, path)
+    return run_id
+
+
+def wandb_labels(cfg) -> dict:
+    """group (wandb.group; train.py sets it to the sweep for a multirun point), job_type (the
+    algorithm) and tags (topology, and for FL: A and F), to filter and group runs by in W&B."""
+    tags = [f"topology={cfg.topology.name}"]
+    if cfg.algorithm.get("every") is not None:
+        every = OmegaConf.to_container(cfg.algorithm, resolve=True)["every"]
+        tags += [f"A={every}".replace(" ", ""), f"F={cfg.mesh.federation}"]
+    return {"group": cfg.wandb.group, "job_type": cfg.algorithm.name, "tags": tags}
+
+
 def _start_wandb(cfg, run_dir: Path):
     mode = cfg.wandb.mode
     if mode == "disabled":
@@ -75,8 +101,11 @@ def _start_wandb(cfg, run_dir: Path):
     try:
         import wandb
 
+        # the rows a resumed run logs again (after its checkpoint, up to where it died) carry steps W&B
+        # already has; it drops them, and they hold the same values (resume is exact) but wall times
         return wandb.init(
-            project=cfg.wandb.project, entity=cfg.wandb.entity, group=cfg.wandb.group, mode=mode,
+            project=cfg.wandb.project, entity=cfg.wandb.entity, mode=mode, id=wandb_id(run_dir),
+            resume="allow", **wandb_labels(cfg),
             name=f"{cfg.algorithm.name}-{cfg.topology.name}-{run_dir.name}", dir=str(run_dir),
             config=OmegaConf.to_container(cfg, resolve=True),
             # never block a training run on a missing network

@@ -125,8 +125,17 @@ def run(cfg: DictConfig, run_dir: str) -> dict | None:
     return None
 
 
+def name_the_sweep(cfg: DictConfig) -> None:
+    """A multirun point's W&B group is its sweep, unless wandb.group is set: the sweep directory's
+    last two parts (multirun/DATE/TIME -> DATE_TIME), the same for every point of one sweep."""
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode == RunMode.MULTIRUN and cfg.wandb.group is None:
+        cfg.wandb.group = "_".join(Path(hydra_cfg.sweep.dir).parts[-2:])
+
+
 @hydra.main(config_path=str(CONF), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> dict | None:
+    name_the_sweep(cfg)
     try:
         summary = run(cfg, HydraConfig.get().runtime.output_dir)
     except (ConfigError, launch.WorkerError) as e:
