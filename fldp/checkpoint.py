@@ -9,11 +9,16 @@ file holds the scheduler, the RNG state and the step; the data position follows 
     run_dir/checkpoints/step_00000008/{group_0/, group_1/, rank_0.pt, ..., meta.json, COMPLETE}
 
 COMPLETE is written last, after every rank finished: a checkpoint without it is never resumed.
+With trainer.keep_last=K, the older complete checkpoints beyond the newest K are deleted once a
+new one is complete. With trainer.async_save, DCP writes in a background thread while training goes
+on; the checkpoint is marked COMPLETE when every rank's write has finished, checked at the next
+checkpoint or at the end of the run (a crash before that loses only the one in flight).
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -30,6 +35,17 @@ def latest(run_dir: str | Path) -> Path | None:
     """The newest complete checkpoint of a run directory."""
     done = sorted(p.parent for p in (Path(run_dir) / "checkpoints").glob(f"step_*/{MARKER}"))
     return done[-1] if done else None
+
+
+def prune(run_dir: str | Path, keep: int) -> list[Path]:
+    """Delete the complete checkpoints older than the newest `keep` (>= 1, so never the newest);
+    incomplete ones (being written, or cut short by a crash) are not touched. Returns the deleted."""
+    old = [p.parent for p in (Path(run_dir) / "checkpoints").glob(f"step_*/{MARKER}")]
+    old = sorted(old)[:-keep]
+    for path in old:
+        (path / MARKER).unlink()  # first, so that a deletion cut short leaves no resumable half
+        shutil.rmtree(path)
+    return old
 
 
 def check_mesh(path: Path, shape: MeshShape) -> None:
@@ -49,26 +65,47 @@ class Checkpointer:
     anchor and state: saved under the rank's own keys, so DCP keeps every rank's)."""
 
     def __init__(self, run_dir: str, shape: MeshShape, algorithm: str, every: int, last_step: int,
-                 stateful: dict | None = None):
+                 stateful: dict | None = None, keep_last: int | None = None, async_save: bool = False):
         self.stateful = stateful or {}
         self.root = Path(run_dir) / "checkpoints"
         self.shape, self.algorithm, self.every, self.last_step = shape, algorithm, every, last_step
+        self.keep_last, self.async_save = keep_last or None, async_save
+        self.pending = None  # (step, path, future) of an async save not yet marked COMPLETE
         self.rank = dist.get_rank()
         self.federation_index = shape.coords(self.rank)[0]
         size = shape.group_size
+        # DCP's async_save coordinates over a CPU (gloo) group, also when training runs on NCCL
         self.group, _ = dist.new_subgroups_by_enumeration(
-            [list(range(f * size, (f + 1) * size)) for f in range(shape.federation)])
+            [list(range(f * size, (f + 1) * size)) for f in range(shape.federation)],
+            backend="gloo" if async_save else None)
 
     def due(self, step: int) -> bool:
         return bool(self.every) and (step % self.every == 0 or step == self.last_step)
 
     def save(self, step: int, model, optimizer, scheduler) -> None:
+        self.finish()  # one save in flight at most: the previous one is complete before this starts
         path = self.root / f"step_{step:08d}"
-        dcp.save(self._state(model, optimizer),
-                 checkpoint_id=path / f"group_{self.federation_index}", process_group=self.group)
+        path.mkdir(parents=True, exist_ok=True)
         torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state()},
                    path / f"rank_{self.rank}.pt")
-        dist.barrier()
+        target = {"checkpoint_id": path / f"group_{self.federation_index}", "process_group": self.group}
+        if self.async_save:  # returns once the state is copied aside; the write goes on in a thread
+            self.pending = (step, path, dcp.async_save(self._state(model, optimizer), **target))
+        else:
+            dcp.save(self._state(model, optimizer), **target)
+            self._complete(step, path)
+
+    def finish(self) -> None:
+        """Wait for this rank's async save in flight, then mark it COMPLETE once every rank's is done."""
+        if self.pending is None:
+            return
+        step, path, future = self.pending
+        self.pending = None
+        getattr(future, "upload_completion", future).result()  # a Future, or an AsyncSaveResponse
+        self._complete(step, path)
+
+    def _complete(self, step: int, path: Path) -> None:
+        dist.barrier()  # every rank's shards and extras are written
         if self.rank == 0:
             meta = {"step": step, "algorithm": self.algorithm, "federation": self.shape.federation,
                     "replicate": self.shape.replicate, "shard": self.shape.shard}
@@ -76,6 +113,8 @@ class Checkpointer:
             tmp = path / f".{MARKER}.tmp"
             tmp.write_text(str(step))
             os.replace(tmp, path / MARKER)
+            if self.keep_last:
+                prune(self.root.parent, self.keep_last)
         dist.barrier()
 
     def _state(self, model, optimizer) -> dict:
@@ -95,3 +134,63 @@ class Checkpointer:
         scheduler.load_state_dict(extras["scheduler"])
         torch.set_rng_state(extras["rng"])
         return extras["step"]
+
+
+# --- how big a checkpoint is (the dry run prints it) --------------------------------------------
+
+def group_bytes(cfg, shape: MeshShape, names_sizes: list[tuple[str, int]]) -> tuple[int, str]:
+    """Bytes of one federation group's checkpoint, from the parameters' names and element counts,
+    and what they hold: the parameters and the inner optimiser's state in the parameter dtype
+    (AdamW: 2 moments; SGD with momentum: 1; DCP saves the group's replicas once), plus the outer
+    optimiser's fp32 anchor and state on the federated parameters unless it is plain FedAvg (see
+    fldp.aggregation), kept by every replica in all_replicas mode, by replica 0 in leader_broadcast."""
+    from .aggregation import FedAvgConfig
+    from .model import DTYPES
+
+    width = DTYPES[cfg.trainer.precision].itemsize
+    inner = {"adamw": 2, "sgd": 1 if cfg.optimizer.momentum else 0}[cfg.optimizer.name]
+    total = sum(n for _, n in names_sizes) * width * (1 + inner)
+    held = f"{cfg.trainer.precision} weights" + (f" + {cfg.optimizer.name} {inner} moment(s)" if inner else "")
+    federation = FedAvgConfig.from_algorithm(cfg.algorithm)
+    if federation is not None and not federation.outer.averages:
+        outer = federation.outer
+        moments = 2 if outer.name == "adam" else (1 if outer.momentum else 0)
+        names = [name for name, _ in names_sizes]
+        federated = sum(n for (_, n), keep in zip(names_sizes, federation.federated(names)) if keep)
+        holders = 1 if federation.mode == "leader_broadcast" else shape.replicate
+        total += holders * federated * 4 * (1 + moments)
+        held += f" + outer {outer.name}'s fp32 anchor" + (f" and {moments} moment(s)" if moments else "")
+        held += f" x {holders} replicas" if holders > 1 else ""
+    return total, held
+
+
+def _amount(n: float, unit: str = "B") -> str:
+    """3 significant digits in decimal units: 48.2 GB, 6.17 TB, 8.03 G parameters."""
+    scale = next((s for s in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")) if n >= s[0]), (1, ""))
+    return f"{n / scale[0]:.3g} {scale[1]}{unit}"
+
+
+def size_line(cfg, shape: MeshShape) -> str:
+    """The dry run's checkpoint line: size per federation group and for the job, how many are kept."""
+    from .model import build_model, llama_config
+
+    try:
+        vocab = cfg.model.vocab_size
+        if vocab is None:
+            from .data import load_tokenizer
+
+            vocab = len(load_tokenizer(str(cfg.dataset.tokenizer)))
+        model = build_model(llama_config(cfg.model, vocab), "meta")
+    except Exception as e:  # the pre-flight reports a missing tokenizer; the size just is not known
+        return f"checkpoint: size unknown (no vocabulary size: {e})"
+    params = [(name, p.numel()) for name, p in model.named_parameters()]
+    group, held = group_bytes(cfg, shape, params)
+    job = group * shape.federation
+    t = cfg.trainer
+    line = (f"checkpoint: {_amount(group)} per federation group x {shape.federation} = {_amount(job)} "
+            f"({_amount(sum(n for _, n in params), ' parameters')}: {held})")
+    if not t.checkpoint_every:
+        return line + "; none saved (trainer.checkpoint_every=0)"
+    kept = (f"the newest {t.keep_last} kept (up to {_amount(job * (t.keep_last + 1))} on disk while the next is "
+            f"written)" if t.keep_last else "all kept (trainer.keep_last=null)")
+    return line + f"; every {t.checkpoint_every} steps, {kept}"

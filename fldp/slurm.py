@@ -17,7 +17,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from . import preflight
+from . import checkpoint, preflight
 from .launch import WorkerError
 from .mesh import ConfigError, MeshShape
 from .setting import differences, paper_config
@@ -150,6 +150,7 @@ def describe(cfg, shape: MeshShape, params: dict) -> str:
         f" ({'NCCL' if t.device == 'cuda' else 'gloo'}), partition {params.get('partition', '(default)')}, "
         f"account {params.get('account', '(not set)')}, qos {params.get('qos', '(default)')}, "
         f"{params['time']} min",
+        checkpoint.size_line(cfg, shape),
     ]
     if t.get("paper_setting"):
         differ = differences(cfg, paper_config(cfg.algorithm.name, t.name))

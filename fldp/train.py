@@ -49,6 +49,9 @@ def validate(cfg: DictConfig):
         (cfg.wandb.mode in ("offline", "online", "disabled"), "wandb.mode", cfg.wandb.mode, "offline, online or disabled"),
         (isinstance(t.checkpoint_every, int) and t.checkpoint_every >= 0, "trainer.checkpoint_every", t.checkpoint_every, "an integer >= 0"),
         (t.resume in (None, "auto"), "trainer.resume", t.resume, "null or auto"),
+        (t.keep_last is None or (isinstance(t.keep_last, int) and t.keep_last >= 0), "trainer.keep_last",
+         t.keep_last, "null or an integer >= 0"),
+        (isinstance(t.async_save, bool), "trainer.async_save", t.async_save, "true or false"),
         (isinstance(cfg.fsdp.reshard_root_after_forward, bool), "fsdp.reshard_root_after_forward",
          cfg.fsdp.reshard_root_after_forward, "true or false"),
     ]

@@ -151,7 +151,8 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None)
     checkpointer = None
     if cfg.trainer.checkpoint_every or cfg.trainer.resume:
         checkpointer = Checkpointer(run_dir, shape, cfg.algorithm.name, cfg.trainer.checkpoint_every, steps,
-                                    stateful={"outer": fedavg} if fedavg is not None else None)
+                                    stateful={"outer": fedavg} if fedavg is not None else None,
+                                    keep_last=cfg.trainer.keep_last, async_save=cfg.trainer.async_save)
         resume_from = latest(run_dir) if cfg.trainer.resume == "auto" else None
         if resume_from is not None:
             start = checkpointer.load(resume_from, model, optimizer, scheduler)
@@ -215,6 +216,8 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None)
         if checkpointer is not None and checkpointer.due(step):
             checkpointer.save(step, model, optimizer, scheduler)
 
+    if checkpointer is not None:
+        checkpointer.finish()  # the last async save, if one is in flight
     # after the last step's forced aggregation every group holds the same model
     final = eval_row(model, cfg, blocks, device, steps, fedavg, groups_differ=False)
     if recorder is None:

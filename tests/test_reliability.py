@@ -13,9 +13,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import ROOT, cli, read_rows, run_world
-from fldp.checkpoint import latest
+from conftest import ROOT, cli, compose_cfg, read_rows, run_world
+from fldp.checkpoint import group_bytes, latest, prune
 from fldp.launch import WorkerError
+from fldp.mesh import mesh_shape
+from fldp.model import build_model, llama_config
 
 RUN = ["algorithm=fl_hsdp", "topology=local_8", "trainer.steps=12", "algorithm.every=3",
        "trainer.checkpoint_every=2", "wandb.mode=disabled", "trainer.progress=false", "trainer.eval_batches=1"]
@@ -177,3 +179,36 @@ def test_empty_or_corrupt_corpus_is_named(tmp_path, corpus):
     assert out.returncode == 2
     assert "dataset." in out.stderr and ("no full block" in out.stderr or str(bad) in out.stderr), out.stderr[-1500:]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_keep_last_keeps_the_newest_complete_checkpoint_and_resume_still_works(tmp_path, uninterrupted):
+    kill_and_resume(tmp_path, [*RUN, "trainer.keep_last=1"], uninterrupted, "launcher")
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert [p.name for p in checkpoints.iterdir()] == ["step_00000012"]
+    # the dry run's size formula against the bytes DCP wrote (fp32 weights + AdamW's 2 moments)
+    cfg = compose_cfg(*RUN)
+    model = build_model(llama_config(cfg.model, 4096), "meta")  # the shipped tokenizer's 4,096 tokens
+    expected, _ = group_bytes(cfg, mesh_shape(cfg), [(n, p.numel()) for n, p in model.named_parameters()])
+    written = sum(f.stat().st_size for f in (checkpoints / "step_00000012" / "group_0").iterdir())
+    # DCP adds ~1 kB per tensor and its .metadata: 4% of this tiny model, nothing for the 8B one
+    assert expected <= written < expected * 1.05, (written, expected)
+
+
+def test_async_save_kill_and_resume_equals_an_uninterrupted_run(tmp_path, uninterrupted):
+    """trainer.async_save: DCP writes in a background thread; COMPLETE only once every rank's write
+    ended, so the checkpoint resumed from is whole."""
+    kill_and_resume(tmp_path, [*RUN, "trainer.async_save=true", "trainer.keep_last=2"], uninterrupted, "worker")
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_00000010", "step_00000012"]
+
+
+def test_prune_keeps_the_newest_complete_and_every_incomplete_checkpoint(tmp_path):
+    for step, done in ((2, True), (4, True), (6, True), (8, False)):
+        path = tmp_path / "checkpoints" / f"step_{step:08d}"
+        path.mkdir(parents=True)
+        if done:
+            (path / "COMPLETE").write_text(str(step))
+    assert [p.name for p in prune(tmp_path, 2)] == ["step_00000002"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000004", "step_00000006",
+                                                                          "step_00000008"]
+    assert prune(tmp_path, 1) == [tmp_path / "checkpoints" / "step_00000004"]
+    assert latest(tmp_path).name == "step_00000006"

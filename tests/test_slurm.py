@@ -144,6 +144,36 @@ def test_leonardo_dry_run_renders_the_paper_jobs(tmp_path):
     assert not list(tmp_path.rglob("metrics.jsonl"))
 
 
+# Llama 3.1 8B by hand: embeddings and lm_head 128,256 x 4,096 each; per layer q, o 4,096^2, k, v
+# 4,096 x 1,024, the MLP 3 x 4,096 x 14,336, two norms; the final norm
+PARAMS_8B = 2 * 128256 * 4096 + 32 * (2 * 4096**2 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096) + 4096
+
+
+@pytest.mark.parametrize("algorithm,outer,per_param", [
+    ("fl_fsdp", [], 2 * 3),                       # bf16 weights + AdamW's 2 moments, in bf16
+    ("fl_fsdp", ["algorithm.outer.lr=0.7", "algorithm.outer.momentum=0.9"], 2 * 3 + 4 * 2),  # + fp32 anchor, momentum
+    ("hsdp", [], 2 * 3),
+])
+def test_dry_run_prints_the_checkpoint_size(algorithm, outer, per_param):
+    assert PARAMS_8B == 8_030_261_248
+    cfg = compose_cfg("topology=leonardo_512", f"algorithm={algorithm}", "trainer.checkpoint_every=8",
+                      "trainer.keep_last=2", *outer)
+    shape = mesh_shape(cfg)
+    text = slurm.describe(cfg, shape, slurm.job_parameters(cfg, shape))
+    (line,) = [x for x in text.splitlines() if x.startswith("checkpoint:")]
+    m = re.fullmatch(r"checkpoint: ([\d.]+ GB) per federation group x (\d+) = ([\d.]+ [GT]B) \(8.03 G parameters: "
+                     r"bf16 weights \+ adamw 2 moment\(s\).*\); every 8 steps, the newest 2 kept \(up to ([\d.]+ [GT]B) .*",
+                     line)
+    assert m, line
+    group, groups, total, disk = m.groups()
+    in_bytes = {"GB": 1e9, "TB": 1e12}
+    group, total, disk = (float(x.split()[0]) * in_bytes[x.split()[1]] for x in (group, total, disk))
+    assert int(groups) == shape.federation == (128 if algorithm == "fl_fsdp" else 1)
+    assert group == pytest.approx(PARAMS_8B * per_param, rel=5e-3)  # 48.2 GB plain, 112 GB DiLoCo
+    assert total == pytest.approx(PARAMS_8B * per_param * int(groups), rel=5e-3)  # 6.17 TB for FL+FSDP
+    assert disk == pytest.approx(PARAMS_8B * per_param * int(groups) * 3, rel=5e-3)  # 2 kept + 1 being written
+
+
 def test_without_slurm_a_slurm_run_fails_at_once(tmp_path):
     start = time.monotonic()
     out = cli("algorithm=fl_hsdp", "topology=leonardo_512", f"hydra.run.dir={tmp_path}", cwd=tmp_path,
