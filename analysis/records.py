@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pandas as pd
 
+from fldp.records import ANALYSED_FIELDS, PHASES  # noqa: F401  (PHASES: for analysis.tables)
 from fldp.setting import defining
 
-PHASES = ("forward", "backward", "optimizer", "aggregation")
-STEP_FIELDS = ("step", "perplexity", *(f"time_{p}" for p in PHASES), "time_step", "aggregated")
 SUMMARY_FIELDS = ("algorithm", "seed", "steps", "eval_perplexity", "eval_time_s")
 
 
@@ -56,7 +55,7 @@ def make_run(name: str, summary: dict | None, rows: list[dict], config: dict | N
     if not train:
         raise RecordError(name, "no training steps recorded (empty metrics)")
     for i, r in enumerate(train):
-        missing = [f for f in STEP_FIELDS if f not in r]
+        missing = [f for f in ANALYSED_FIELDS if f not in r]
         if missing:
             raise RecordError(name, f"training row {i + 1} (step {r.get('step')}) lacks {', '.join(missing)}")
     steps = pd.DataFrame(train)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import sys
@@ -16,9 +17,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .errors import WorkerError  # noqa: F401  (also fldp.launch.WorkerError, as before)
 
-class WorkerError(RuntimeError):
-    """A worker process failed; the message names its rank and error."""
+# Ports for the rendezvous, below Linux's ephemeral range (32768+) so no outgoing socket holds one.
+_PORT_BASE, _PORT_SPAN = 12000, 20000
 
 
 @dataclass(frozen=True)
@@ -39,11 +41,27 @@ def from_environment() -> RankEnv | None:
         return RankEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
                        env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)))
     if "SLURM_STEP_ID" in env and int(env.get("SLURM_NTASKS", 1)) > 1:
-        from .slurm import rendezvous  # late: fldp.slurm imports this module
-
         return RankEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env["SLURM_LOCALID"]),
                        *rendezvous(env))
     return None
+
+
+def first_node(nodelist: str) -> str:
+    """The first host of a SLURM node list: 'lrdn[0012-0015,0100],lrdn0200' -> 'lrdn0012'."""
+    m = re.match(r"([^,\[]*)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not m or not (m.group(1) or m.group(2)):
+        raise ValueError(f"cannot read a host from the SLURM node list {nodelist!r}")
+    prefix, ranges = m.group(1), m.group(2)
+    return prefix + re.split(r"[-,]", ranges)[0] if ranges else prefix
+
+
+def rendezvous(environ=os.environ) -> tuple[str, int]:
+    """MASTER_ADDR/MASTER_PORT when the job script exports them; otherwise the allocation's first
+    node, and a port every task derives alike from the job id (no communication needed)."""
+    addr = environ.get("MASTER_ADDR") or first_node(
+        environ.get("SLURM_STEP_NODELIST") or environ["SLURM_JOB_NODELIST"])
+    port = environ.get("MASTER_PORT") or _PORT_BASE + int(environ["SLURM_JOB_ID"]) % _PORT_SPAN
+    return addr, int(port)
 
 
 def init_process_group(env: RankEnv, device_type: str, timeout_s: float) -> torch.device:

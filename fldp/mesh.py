@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .errors import ConfigError  # noqa: F401  (also fldp.mesh.ConfigError, as before)
+
 DIMS = ("federation", "replicate", "shard")
 
 # Dimensions each algorithm pins to 1.
@@ -20,10 +22,6 @@ PINNED = {
 
 
 _NEEDS = {"federation": "algorithm=fl_fsdp or fl_hsdp", "replicate": "algorithm=hsdp or fl_hsdp"}
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot work; the message names the key and value."""
 
 
 @dataclass(frozen=True)

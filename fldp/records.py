@@ -11,7 +11,11 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+# The metric field names, defined once: the trainer writes them, analysis/ reads them.
 PHASES = ("forward", "backward", "optimizer", "aggregation")
+TIME_FIELDS = tuple(f"time_{p}" for p in PHASES)
+STEP_FIELDS = ("step", "loss", "perplexity", "lr", "tokens", *TIME_FIELDS, "time_step", "aggregated")
+ANALYSED_FIELDS = ("step", "perplexity", *TIME_FIELDS, "time_step", "aggregated")  # what analysis/ needs
 WANDB_MODES = ("offline", "online", "disabled")
 
 

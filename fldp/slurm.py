@@ -3,7 +3,7 @@ rank. The job's shape comes from the topology and the cluster config (conf/clust
 leonardo.yaml); submission, and following the job to its end, go through submitit.
 
 Inside the job, fldp.launch.from_environment turns the srun task's SLURM variables into the
-torch.distributed world, with the rendezvous from `rendezvous()` below."""
+torch.distributed world, with the rendezvous from `fldp.launch.rendezvous()`."""
 from __future__ import annotations
 
 import json
@@ -18,14 +18,11 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from . import checkpoint, preflight
-from .launch import WorkerError
-from .mesh import ConfigError, MeshShape
+from .errors import ConfigError, WorkerError
+from .mesh import MeshShape
 from .setting import differences, paper_config
 
 log = logging.getLogger("fldp")
-
-# Ports for the rendezvous, below Linux's ephemeral range (32768+) so no outgoing socket holds one.
-_PORT_BASE, _PORT_SPAN = 12000, 20000
 
 
 def submits(cfg) -> bool:
@@ -35,24 +32,6 @@ def submits(cfg) -> bool:
 
 
 # --- inside the job ---------------------------------------------------------------------------
-
-def first_node(nodelist: str) -> str:
-    """The first host of a SLURM node list: 'lrdn[0012-0015,0100],lrdn0200' -> 'lrdn0012'."""
-    m = re.match(r"([^,\[]*)(?:\[([^\]]+)\])?", nodelist.strip())
-    if not m or not (m.group(1) or m.group(2)):
-        raise ValueError(f"cannot read a host from the SLURM node list {nodelist!r}")
-    prefix, ranges = m.group(1), m.group(2)
-    return prefix + re.split(r"[-,]", ranges)[0] if ranges else prefix
-
-
-def rendezvous(environ=os.environ) -> tuple[str, int]:
-    """MASTER_ADDR/MASTER_PORT when the job script exports them; otherwise the allocation's first
-    node, and a port every task derives alike from the job id (no communication needed)."""
-    addr = environ.get("MASTER_ADDR") or first_node(
-        environ.get("SLURM_STEP_NODELIST") or environ["SLURM_JOB_NODELIST"])
-    port = environ.get("MASTER_PORT") or _PORT_BASE + int(environ["SLURM_JOB_ID"]) % _PORT_SPAN
-    return addr, int(port)
-
 
 def run_rank(cfg, run_dir: str):
     """What every task of a submitted job runs (pickled by submitit)."""

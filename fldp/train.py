@@ -21,7 +21,8 @@ from . import CONF, launch, slurm
 from .aggregation import FedAvgConfig
 from .checkpoint import check_mesh, latest
 from .data import prepare
-from .mesh import ConfigError, mesh_shape
+from .errors import ConfigError, WorkerError
+from .mesh import mesh_shape
 
 log = logging.getLogger("fldp")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are forked after tokenising
@@ -141,7 +142,7 @@ def main(cfg: DictConfig) -> dict | None:
     name_the_sweep(cfg)
     try:
         summary = run(cfg, HydraConfig.get().runtime.output_dir)
-    except (ConfigError, launch.WorkerError) as e:
+    except (ConfigError, WorkerError) as e:
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             # Hydra records this point as failed and runs the others; only at the end does it raise
             # the first failure, so say now which point failed and why.

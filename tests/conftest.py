@@ -3,10 +3,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import traceback
 from pathlib import Path
 
 import pytest
@@ -28,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 # No test may hang the suite: past its limit it fails, saying where it was stuck. The slowest test
-# takes ~2 min here; @pytest.mark.limit_s(N) sets another limit for one test.
+# takes ~2 min here; @pytest.mark.timeout(N) sets another limit for one test.
 TEST_LIMIT_S = float(os.environ.get("FLDP_TEST_LIMIT_S", 600))
 
 # Small, quick runs: the tests are about equivalences, not about learning.
@@ -100,24 +98,14 @@ def cli(*args: str, cwd: Path, timeout: float = 300, env: dict | None = None) ->
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
-@pytest.fixture(autouse=True)
-def time_limit(request):
-    """SIGALRM at the test's limit raises in the test's (main) thread: a blocked wait, a subprocess
-    or local workers are interrupted and cleaned up by their own `finally`s, and the other tests run."""
-    marker = request.node.get_closest_marker("limit_s")
-    limit = float(marker.args[0]) if marker else TEST_LIMIT_S
-
-    def expire(signum, frame):
-        where = "".join(traceback.format_stack(frame)[-8:])
-        raise TimeoutError(f"{request.node.nodeid}: still running after its {limit:.0f} s limit; it was at:\n{where}")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, limit)  # not inherited by forked workers
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+def pytest_collection_modifyitems(items):
+    """pytest-timeout, method=signal: SIGALRM at the test's limit fails it in its (main) thread,
+    printing every thread's stack, so a blocked wait, a subprocess or local workers are interrupted
+    and cleaned up by their own `finally`s, and the other tests run (a timer is not inherited by
+    forked workers). The limit: @pytest.mark.timeout(N) on the test, else TEST_LIMIT_S."""
+    for item in items:
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(TEST_LIMIT_S, method="signal"))
 
 
 @pytest.fixture(scope="session")

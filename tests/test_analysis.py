@@ -18,10 +18,10 @@ from analysis.records import RecordError, load_run_dir
 from analysis.report import build, main
 from analysis.wandb_records import read_offline, read_project
 from conftest import ROOT, compose_cfg, read_rows, train_world
+from fldp.records import PHASES
 
 ALGOS = ("fsdp", "hsdp", "fl_fsdp", "fl_hsdp")
 SEEDS = (0, 1)
-PHASES = ("forward", "backward", "optimizer", "aggregation")
 STEPS, EVERY = 4, 2
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from conftest import cli, read_rows
+from fldp.records import STEP_FIELDS, TIME_FIELDS
 
 FAST = ["wandb.mode=disabled", "trainer.eval_batches=1"]
 
@@ -43,12 +44,9 @@ def test_done_when_aggregation_only_every_a_steps(tmp_path):
     rows = read_rows(tmp_path)
     assert [r["step"] for r in rows if r["time_aggregation"] > 0] == [4, 8, 12, 16]
     assert [r["step"] for r in rows if r["aggregated"]] == [4, 8, 12, 16]
-    fields = {"step", "loss", "perplexity", "lr", "tokens", "time_forward", "time_backward",
-              "time_optimizer", "time_aggregation", "time_step", "aggregated"}
-    assert all(fields <= r.keys() for r in rows)
+    assert all(set(STEP_FIELDS) <= r.keys() for r in rows)
     # each time is the slowest rank's, so no phase exceeds the step
-    assert all(r["time_step"] >= max(r[f"time_{p}"] for p in ("forward", "backward", "optimizer", "aggregation"))
-               for r in rows)
+    assert all(r["time_step"] >= max(r[f] for f in TIME_FIELDS) for r in rows)
 
 
 def test_default_command_with_no_arguments(tmp_path):

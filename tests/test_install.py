@@ -2,8 +2,10 @@
 directory, used from a directory that is not the checkout (the configs must come from the wheel)."""
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -92,3 +94,35 @@ def test_shell_completion(installed, tmp_path):
     query = outside(installed, tmp_path, "fldp-train", "-sc", "query=bash",
                     env={"COMP_LINE": "fldp-train algo", "COMP_POINT": "15"})
     assert query.returncode == 0 and "algorithm=" in query.stdout.split(), query.stdout + query.stderr[-2000:]
+
+
+# import name -> distribution name, where they differ
+DISTRIBUTIONS = {"PIL": "pillow", "google": "protobuf", "hydra": "hydra-core"}
+
+
+def _normal(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def test_every_imported_library_is_declared():
+    """Every third-party module that fldp, analysis, the tests or the experiments import is a
+    dependency (or a dev extra) in pyproject.toml: a fresh `pip install -e .[dev]` has them all."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = [*project["dependencies"], *sum(project["optional-dependencies"].values(), [])]
+    declared = {_normal(re.split(r"[<>=!~ \[;]", r)[0]) for r in requirements}
+    files = [p for d in ("fldp", "analysis", "tests", "experiments") for p in (ROOT / d).glob("*.py")]
+    local = {"fldp", "analysis", "__future__"} | {p.stem for p in files}
+    undeclared = {}
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module]
+            else:
+                continue
+            for top in {n.split(".")[0] for n in names} - local - set(sys.stdlib_module_names):
+                if _normal(DISTRIBUTIONS.get(top, top)) not in declared:
+                    undeclared.setdefault(top, str(path.relative_to(ROOT)))
+    assert not undeclared, f"imported but not in pyproject.toml: {undeclared}"

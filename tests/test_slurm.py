@@ -196,11 +196,11 @@ def test_local_sweep_an_invalid_point_fails_alone(tmp_path):
 
 
 def test_rendezvous_from_the_allocation():
-    assert slurm.first_node("lrdn[0012-0015,0100],lrdn0200") == "lrdn0012"
-    assert slurm.first_node("n1,n2") == "n1" and slurm.first_node("gpu7") == "gpu7"
+    assert launch.first_node("lrdn[0012-0015,0100],lrdn0200") == "lrdn0012"
+    assert launch.first_node("n1,n2") == "n1" and launch.first_node("gpu7") == "gpu7"
     env = {"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_ID": "42"}
-    assert slurm.rendezvous(env) == ("n1", 12042)
-    assert slurm.rendezvous({**env, "MASTER_ADDR": "h", "MASTER_PORT": "7"}) == ("h", 7)
+    assert launch.rendezvous(env) == ("n1", 12042)
+    assert launch.rendezvous({**env, "MASTER_ADDR": "h", "MASTER_PORT": "7"}) == ("h", 7)
 
 
 # --- on the SLURM cluster ---------------------------------------------------------------------
