@@ -19,6 +19,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import threading
 from pathlib import Path
 
 import torch
@@ -35,6 +37,26 @@ def latest(run_dir: str | Path) -> Path | None:
     """The newest complete checkpoint of a run directory."""
     done = sorted(p.parent for p in (Path(run_dir) / "checkpoints").glob(f"step_*/{MARKER}"))
     return done[-1] if done else None
+
+
+class Stopped(Exception):
+    """Training stopped on a warning signal (a SLURM time limit or preemption ahead), with a
+    complete checkpoint after `step`."""
+
+    def __init__(self, step: int):
+        super().__init__(f"stopped on the warning signal after step {step}, checkpoint saved")
+        self.step = step
+
+
+_warned: threading.Event | None = None  # None: no handler installed, nothing checked, nothing spent
+
+
+def stop_on(signum: int) -> None:
+    """From now on `signum` makes training save a checkpoint at the end of its step and raise
+    Stopped (fldp.slurm.run_rank installs it for SLURM's warning signal)."""
+    global _warned
+    _warned = threading.Event()
+    signal.signal(signum, lambda *_: _warned.set())  # only a flag: the ranks act together, between steps
 
 
 def prune(run_dir: str | Path, keep: int) -> list[Path]:
@@ -103,6 +125,20 @@ class Checkpointer:
         self.pending = None
         getattr(future, "upload_completion", future).result()  # a Future, or an AsyncSaveResponse
         self._complete(step, path)
+
+    def stop_if_warned(self, step: int, model, optimizer, scheduler, device) -> None:
+        """After a step, where a warning handler is installed: if any rank caught the signal, every
+        rank saves now (unless this step was just saved) and raises Stopped; the last step just ends."""
+        if _warned is None:
+            return
+        flag = torch.tensor([float(_warned.is_set())], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # the signal reaches the ranks at different moments
+        if not flag.item() or step == self.last_step:
+            return
+        if not self.due(step):
+            self.save(step, model, optimizer, scheduler)
+        self.finish()
+        raise Stopped(step)
 
     def _complete(self, step: int, path: Path) -> None:
         dist.barrier()  # every rank's shards and extras are written

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -34,14 +35,43 @@ def submits(cfg) -> bool:
 # --- inside the job ---------------------------------------------------------------------------
 
 def run_rank(cfg, run_dir: str):
-    """What every task of a submitted job runs (pickled by submitit)."""
+    """What every task of a submitted job runs (pickled by submitit). With cluster.max_requeue, the
+    job resumes from its newest checkpoint in the same run directory (a requeued job starts here
+    again), and SLURM's warning signal before the time limit makes it checkpoint and requeue."""
     from .train import run
 
     if cfg.cluster.master_addr:
         os.environ["MASTER_ADDR"] = str(cfg.cluster.master_addr)
     if cfg.cluster.master_port:
         os.environ["MASTER_PORT"] = str(cfg.cluster.master_port)
-    return run(cfg, run_dir)
+    if not cfg.cluster.get("max_requeue"):
+        return run(cfg, run_dir)
+    cfg.trainer.resume = "auto"
+    checkpoint.stop_on(WARNING_SIGNAL)  # replaces submitit's handler, which requeues without a checkpoint
+    try:
+        return run(cfg, run_dir)
+    except checkpoint.Stopped as stopped:
+        requeue(cfg, run_dir, stopped.step)
+
+
+# submitit asks SLURM for this signal cluster.signal_s before the time limit (sbatch --signal)
+WARNING_SIGNAL = signal.SIGUSR2
+
+
+def requeue(cfg, run_dir: str, step: int):
+    """Rank 0 requeues the job (SLURM kills it and starts it again, same job id and run directory),
+    up to cluster.max_requeue times; every rank then leaves without a result, so the job is not
+    taken for ended. Past the limit the job fails, saying how to continue."""
+    job, restarts = os.environ["SLURM_JOB_ID"], int(os.environ.get("SLURM_RESTART_COUNT", 0))
+    if restarts >= cfg.cluster.max_requeue:
+        raise WorkerError(f"SLURM job {job} was warned of its end after {restarts} requeues (cluster.max_requeue="
+                          f"{cfg.cluster.max_requeue}); its checkpoint after step {step} is in {run_dir}: continue "
+                          f"with trainer.resume=auto hydra.run.dir={run_dir}")
+    if int(os.environ.get("SLURM_PROCID", 0)) == 0:
+        subprocess.run(["scontrol", "requeue", job], check=True, capture_output=True, timeout=60)
+        log.warning("SLURM job %s: checkpoint after step %d, requeued (%d of cluster.max_requeue=%d)",
+                    job, step, restarts + 1, cfg.cluster.max_requeue)
+    raise SystemExit(0)  # no result pickle: the submitter keeps following the job
 
 
 # --- the job's shape --------------------------------------------------------------------------
@@ -85,6 +115,9 @@ def job_parameters(cfg, shape: MeshShape) -> dict:
         "setup": job_setup(c.setup, c.cpus_per_task),
         "additional_parameters": extra_sbatch(c.sbatch, c.exclusive),
     }
+    if c.get("max_requeue"):  # checkpoint and requeue on the warning signal, signal_s before the limit
+        params["signal_delay_s"] = c.signal_s
+        params["additional_parameters"]["requeue"] = True
     assert shape.world == t.nodes * t.procs_per_node  # validate() checked it
     return {k: v for k, v in params.items() if v is not None}
 

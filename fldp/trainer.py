@@ -215,6 +215,8 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None)
                 recorder.log(evaluation)
         if checkpointer is not None and checkpointer.due(step):
             checkpointer.save(step, model, optimizer, scheduler)
+        if checkpointer is not None:
+            checkpointer.stop_if_warned(step, model, optimizer, scheduler, device)  # SLURM's time-limit warning
 
     if checkpointer is not None:
         checkpointer.finish()  # the last async save, if one is in flight

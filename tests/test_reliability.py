@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import ROOT, cli, compose_cfg, read_rows, run_world
+from conftest import ROOT, cli, compose_cfg, read_rows, run_world, train_world
+from fldp import checkpoint
 from fldp.checkpoint import group_bytes, latest, prune
 from fldp.launch import WorkerError
 from fldp.mesh import mesh_shape
@@ -212,3 +213,29 @@ def test_prune_keeps_the_newest_complete_and_every_incomplete_checkpoint(tmp_pat
                                                                           "step_00000008"]
     assert prune(tmp_path, 1) == [tmp_path / "checkpoints" / "step_00000004"]
     assert latest(tmp_path).name == "step_00000006"
+
+
+class WarnAt:
+    """on_step: installs the warning handler on every rank (step 0), then signals one rank after
+    `step`, as SLURM's warning reaches the ranks of a job at different moments."""
+
+    def __init__(self, step: int, rank: int):
+        self.step, self.rank = step, rank
+
+    def __call__(self, step, model, aggregated):
+        if step == 0:
+            checkpoint.stop_on(signal.SIGUSR2)
+        elif step == self.step and dist.get_rank() == self.rank:
+            os.kill(os.getpid(), signal.SIGUSR2)
+
+
+def test_the_warning_signal_checkpoints_all_ranks_and_resume_is_exact(tmp_path, uninterrupted):
+    """What a SLURM job does on its time-limit warning (tests/test_slurm.py runs it on the cluster):
+    every rank stops after the same step with a complete checkpoint, and the resumed run equals an
+    uninterrupted one."""
+    run_dir = tmp_path / "run"
+    with pytest.raises(WorkerError, match="stopped on the warning signal after step 5, checkpoint saved"):
+        train_world(compose_cfg(*RUN, "trainer.resume=auto"), run_dir, on_step=WarnAt(5, rank=3))
+    assert latest(run_dir).name == "step_00000005"  # not a checkpoint_every=2 step: saved on the signal
+    train_world(compose_cfg(*RUN, "trainer.resume=auto"), run_dir)
+    assert [r["loss"] for r in read_rows(run_dir)] == [r["loss"] for r in read_rows(uninterrupted)]

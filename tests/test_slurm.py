@@ -389,6 +389,45 @@ def test_sbatch_refuses_an_impossible_job_at_once(tmp_path, idle_cluster):
         slurm.submit_job(cfg, str(tmp_path), mesh_shape(cfg))
 
 
+@needs_slurm
+@pytest.mark.timeout(900)
+def test_a_job_past_its_time_limit_requeues_and_ends_as_an_uninterrupted_run(tmp_path, idle_cluster, token_cache):
+    """A 1-minute time limit, warned 30 s before it: the job stops mid-run with a checkpoint,
+    requeues itself, resumes in the same run directory (maybe more than once), and its records
+    equal an uninterrupted local run's. SLURM holds a requeued job for ~2 min (BeginTime); the test
+    lets it start at once, as an idle site's queue would."""
+    run = ["algorithm=fl_fsdp", "trainer.steps=200", "algorithm.every=4", *QUICK, f"dataset.cache_dir={token_cache}"]
+    local, submitted = tmp_path / "local", tmp_path / "submitted"
+    train_world(compose_cfg(*run, "topology=local_2"), local)  # fl_fsdp 2x1x1, uninterrupted
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fldp.train", *run, "cluster=slurm", "topology=slurm_2x4", "topology.procs_per_node=1",
+         "mesh.federation=2", "mesh.replicate=1", "mesh.shard=1", "cluster.time_min=1", "cluster.signal_s=30",
+         "cluster.max_requeue=4", "cluster.poll_s=1", SHARED_TMP, f"hydra.run.dir={submitted}"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        while proc.poll() is None:
+            assert time.monotonic() - start < 800, "the job did not end"
+            queued = subprocess.run(["squeue", "-h", "-t", "PD", "-o", "%i %r %Z"], capture_output=True, text=True).stdout
+            for job, reason, workdir in (line.split() for line in queued.splitlines()):
+                if reason == "BeginTime" and workdir.startswith(str(tmp_path)):
+                    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
+            time.sleep(1)
+        output = proc.stdout.read()
+    finally:
+        proc.kill()
+        cancel_jobs_from(tmp_path)
+    assert proc.returncode == 0, output[-4000:] + cluster_report()
+    job = re.search(r"submitted SLURM job (\d+)", output).group(1)
+    restarts = int(re.search(r"Restarts=(\d+)", subprocess.run(["scontrol", "show", "job", job], capture_output=True,
+                                                                text=True).stdout).group(1))
+    assert restarts >= 1, "the job ended within its first time limit: make the run longer"
+    logs = "".join(p.read_text() for p in (submitted / "slurm").rglob("*_0_log.err"))
+    assert len(re.findall(r"checkpoint after step \d+, requeued", logs)) == restarts, logs[-3000:]
+    same_records(submitted, local)
+    print(f"time-limited job: {restarts} requeues, {time.monotonic() - start:.0f} s")
+
+
 def test_gpu_topology_needs_one_gpu_per_rank():
     cfg = compose_cfg("topology=leonardo_512", "cluster.gpus_per_node=2")
     with pytest.raises(ConfigError, match="cluster.gpus_per_node=2 but topology.procs_per_node=4"):
