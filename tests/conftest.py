@@ -26,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 # No test may hang the suite: past its limit it fails, saying where it was stuck. The slowest test
-# takes ~2 min here; @pytest.mark.timeout(N) sets another limit for one test.
+# takes ~3 min here; @pytest.mark.timeout(N) sets another limit for one test.
 TEST_LIMIT_S = float(os.environ.get("FLDP_TEST_LIMIT_S", 600))
 
 # Small, quick runs: the tests are about equivalences, not about learning.

@@ -396,14 +396,14 @@ def test_a_job_past_its_time_limit_requeues_and_ends_as_an_uninterrupted_run(tmp
     requeues itself, resumes in the same run directory (maybe more than once), and its records
     equal an uninterrupted local run's. SLURM holds a requeued job for ~2 min (BeginTime); the test
     lets it start at once, as an idle site's queue would."""
-    run = ["algorithm=fl_fsdp", "trainer.steps=200", "algorithm.every=4", *QUICK, f"dataset.cache_dir={token_cache}"]
+    run = ["algorithm=fl_fsdp", "trainer.steps=600", "algorithm.every=4", *QUICK, f"dataset.cache_dir={token_cache}"]
     local, submitted = tmp_path / "local", tmp_path / "submitted"
     train_world(compose_cfg(*run, "topology=local_2"), local)  # fl_fsdp 2x1x1, uninterrupted
     start = time.monotonic()
     proc = subprocess.Popen(
         [sys.executable, "-m", "fldp.train", *run, "cluster=slurm", "topology=slurm_2x4", "topology.procs_per_node=1",
          "mesh.federation=2", "mesh.replicate=1", "mesh.shard=1", "cluster.time_min=1", "cluster.signal_s=30",
-         "cluster.max_requeue=4", "cluster.poll_s=1", SHARED_TMP, f"hydra.run.dir={submitted}"],
+         "cluster.max_requeue=8", "cluster.poll_s=1", SHARED_TMP, f"hydra.run.dir={submitted}"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         while proc.poll() is None:
