@@ -109,7 +109,7 @@ def bench_tiers(steps: int, scale: float) -> None:
             shape = mesh_shape(cfg)
             units = model_units(build_model(llama_config(cfg.model, 4096), "meta"), torch.float32)
             bandwidth = tier_bandwidth(cfg.topology.network, shape, scale)
-            comm = predict(units, shape, bandwidth, cfg.algorithm.every if algorithm.startswith("fl_") else None)
+            comm = predict(units, shape, bandwidth, cfg.algorithm.every if cfg.algorithm.aggregation else None)
             compute = _run(algorithm, steps, False, scale, Path(tmp))
             measured[algorithm] = _run(algorithm, steps, True, scale, Path(tmp))
             predicted[algorithm] = compute + sum(comm.exact.values())

@@ -31,3 +31,19 @@ def _fill(nodes, procs_per_node, *others) -> int:
 
 # ${fldp_fill:${topology.nodes},${topology.procs_per_node},${mesh.federation},${mesh.shard}} -> R
 OmegaConf.register_new_resolver("fldp_fill", _fill, replace=True)
+
+
+def _layout(dim: str, *, _root_) -> int:
+    """mesh.<dim> from the topology's layout for the dimensions the algorithm has: algorithm.dims
+    [federation, shard] picks topology.layouts.federation_shard."""
+    dims = list(_root_.algorithm.get("dims") or [])
+    key = "_".join(d for d in ("federation", "replicate", "shard") if d in dims)
+    layouts = _root_.topology.layouts
+    if key not in layouts:
+        raise ValueError(f"topology={_root_.topology.name} has no layout for algorithm.dims={dims} "
+                         f"(topology.layouts.{key}); set mesh.federation/replicate/shard")
+    return layouts[key][dim]
+
+
+# ${fldp_layout:federation} -> F of the layout for this algorithm's dimensions
+OmegaConf.register_new_resolver("fldp_layout", _layout, replace=True)

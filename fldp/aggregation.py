@@ -128,9 +128,13 @@ class FedAvgConfig:
 
     @classmethod
     def from_algorithm(cls, algorithm_cfg) -> FedAvgConfig | None:
-        """None for the algorithms without a federation (fsdp, hsdp)."""
-        if not algorithm_cfg.name.startswith("fl_"):
+        """None for the algorithms that aggregate nothing (`aggregation: null`: fsdp, hsdp)."""
+        kind = algorithm_cfg.get("aggregation")
+        if kind is None:
             return None
+        if kind != "fedavg" or "federation" not in (algorithm_cfg.get("dims") or []):
+            raise ConfigError(f"algorithm.aggregation={kind!r}: must be null, or fedavg for an algorithm with a "
+                              f"federation dimension (algorithm.dims={list(algorithm_cfg.get('dims') or [])})")
         from omegaconf import OmegaConf
 
         fedavg = algorithm_cfg.get("fedavg") or {}

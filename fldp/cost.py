@@ -156,7 +156,19 @@ def predict(units: Units, shape: MeshShape, bandwidth: dict[str, float], every: 
 
 
 # ---------------------------------------------------------------- CLI: python -m fldp.cost
-ALGORITHMS = ("fsdp", "hsdp", "fl_fsdp", "fl_hsdp")
+def algorithms_by_layout() -> dict[str, object]:
+    """The algorithms conf/algorithm declares with dimensions of their own (an algorithm that extends
+    another inherits its mesh), keyed as topology.layouts is: by the dimensions they have."""
+    from omegaconf import OmegaConf
+
+    from .setting import CONF
+
+    out = {}
+    for path in sorted((CONF / "algorithm").glob("*.yaml")):
+        algorithm = OmegaConf.load(path)
+        if "dims" in algorithm:
+            out.setdefault("_".join(d for d in DIMS if d in algorithm.dims), algorithm)
+    return out
 
 
 def paper_step_times() -> dict[str, float]:
@@ -180,11 +192,12 @@ def table(cfg) -> list[dict]:
     measured = paper_step_times() if cfg.topology.name == "leonardo_512" else {}
     every = schedule_of(cfg.algorithm.every)[-1][1] if cfg.algorithm.every else 8  # a schedule: its last A
     rows = []
-    for name in ALGORITHMS:
-        layout = cfg.topology.layouts[name]
+    algorithms = algorithms_by_layout()
+    for key, layout in cfg.topology.layouts.items():
+        name = algorithms[key].name
         shape = MeshShape(layout.federation, layout.replicate, layout.shard)
         bandwidth = tier_bandwidth(cfg.topology.network, shape)
-        fed = every if name.startswith("fl_") else None
+        fed = every if algorithms[key].aggregation else None
         # FL+HSDP's mode: the configured algorithm's, else the one the topology's reference numbers ran
         mode = (cfg.algorithm.get("fedavg") or {}).get("mode") or cfg.topology.get("fedavg_mode", "leader_broadcast")
         pred = predict(units, shape, bandwidth, fed, mode, reshard_root_after_forward=cfg.fsdp.reshard_root_after_forward)

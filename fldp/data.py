@@ -54,9 +54,15 @@ def load_tokenizer(path: str):
     if looks_local(path) and not local.expanduser().is_dir():
         raise ConfigError(f"dataset.tokenizer={path}: no such tokenizer directory")
     try:
-        return AutoTokenizer.from_pretrained(str(local.expanduser()) if local.exists() else path)
+        tokenizer = AutoTokenizer.from_pretrained(str(local.expanduser()) if local.exists() else path)
     except Exception as e:  # hub id without network, or a broken directory
         raise ConfigError(f"dataset.tokenizer={path}: cannot load a tokenizer ({type(e).__name__}: {e})") from e
+    if tokenizer.eos_token_id is None:  # documents are concatenated with EOS between them
+        config = local.expanduser() / "tokenizer_config.json"
+        hint = f" ({config.name} is missing from the directory)" if local.exists() and not config.exists() else ""
+        raise ConfigError(f"dataset.tokenizer={path}: the tokenizer has no end-of-sequence token{hint}, so "
+                          f"documents would run together")
+    return tokenizer
 
 
 def is_url(path: str) -> bool:
@@ -93,23 +99,24 @@ def _documents(data_cfg, split: str):
     from datasets import load_dataset
 
     files = dict(data_cfg.data_files) if data_cfg.data_files else None
+    source, field, count = _source(data_cfg, split), data_cfg.text_field, 0
     try:
-        stream = iter(load_dataset(data_cfg.path, name=data_cfg.config_name, data_files=files,
-                                   split=split, streaming=True))
-        while True:
-            try:
-                row = next(stream)
-            except StopIteration:
-                return
-            text = row.get(data_cfg.text_field)
-            if text is None:
-                raise ConfigError(f"dataset.text_field={data_cfg.text_field}: not a field of "
-                                  f"{_source(data_cfg, split)} (fields: {sorted(row)})")
+        stream = load_dataset(data_cfg.path, name=data_cfg.config_name, data_files=files, split=split,
+                              streaming=True)
+        for count, row in enumerate(stream, 1):
+            text = row.get(field)
+            if text is None:  # absent from the file, or from this one document
+                where = f"document {count} of {source} has none" if field in row else f"not a field of {source}"
+                raise ConfigError(f"dataset.text_field={field}: {where} (fields: {sorted(row)})")
             yield text
     except ConfigError:
         raise
-    except Exception as e:  # unreadable, corrupt, or not what the builder expects
-        raise ConfigError(f"{_source(data_cfg, split)}: cannot read ({type(e).__name__}: {e})") from e
+    except StopIteration:  # datasets' json builder raises it on a file with no line at all
+        pass
+    except Exception as e:  # unreadable, truncated, corrupt, not JSON, not UTF-8
+        raise ConfigError(f"{source}: cannot read ({type(e).__name__}: {e})") from e
+    if count == 0:
+        raise ConfigError(f"{source}: no documents (an empty file or split)")
 
 
 def tokenize_blocks(tokenizer, documents, block_size: int, max_blocks: int | None,
@@ -160,7 +167,9 @@ def source_fingerprint(data_cfg):
 
 
 def _tokenizer_fingerprint(tokenizer) -> str:
-    return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
+    """The backend (vocabulary, merges, post-processor) and the special tokens the config adds."""
+    special = json.dumps([type(tokenizer).__name__, tokenizer.bos_token_id, tokenizer.eos_token_id])
+    return hashlib.sha256((tokenizer.backend_tokenizer.to_str() + special).encode()).hexdigest()
 
 
 def cache_entry(data_cfg, tokenizer) -> tuple[Path, dict]:

@@ -2,7 +2,8 @@
 
 world = F * R * S. Rank r sits at (r // (R*S), (r // S) % R, r % S): consecutive ranks share a
 sharding group, so with node-major ranks a sharding group of procs_per_node is one node.
-The four algorithms are four shapes of this mesh; the rules below are all that tells them apart here.
+The four algorithms are four shapes of this mesh: each declares the dimensions it has
+(conf/algorithm/*.yaml `dims`); the others are pinned to 1.
 """
 from __future__ import annotations
 
@@ -11,17 +12,6 @@ from dataclasses import dataclass
 from .errors import ConfigError  # noqa: F401  (also fldp.mesh.ConfigError, as before)
 
 DIMS = ("federation", "replicate", "shard")
-
-# Dimensions each algorithm pins to 1.
-PINNED = {
-    "fsdp": ("federation", "replicate"),
-    "hsdp": ("federation",),
-    "fl_fsdp": ("replicate",),
-    "fl_hsdp": (),
-}
-
-
-_NEEDS = {"federation": "algorithm=fl_fsdp or fl_hsdp", "replicate": "algorithm=hsdp or fl_hsdp"}
 
 
 @dataclass(frozen=True)
@@ -55,14 +45,16 @@ def _positive_int(key: str, value) -> int:
 def mesh_shape(cfg) -> MeshShape:
     """Validate the mesh of a composed config against its algorithm and topology."""
     algorithm = cfg.algorithm.name
-    if algorithm not in PINNED:
-        raise ConfigError(f"algorithm.name={algorithm!r}: must be one of {sorted(PINNED)}")
-    shape = MeshShape(*(_positive_int(f"mesh.{d}", cfg.mesh[d]) for d in DIMS))
-    for dim in PINNED[algorithm]:
-        if getattr(shape, dim) != 1:
+    dims = algorithm_dims(cfg.algorithm)
+    try:
+        shape = MeshShape(*(_positive_int(f"mesh.{d}", cfg.mesh[d]) for d in DIMS))
+    except ValueError as e:  # the layout resolver: no layout for these dimensions
+        raise ConfigError(str(e)) from None
+    for dim in DIMS:
+        if dim not in dims and getattr(shape, dim) != 1:
             raise ConfigError(
                 f"mesh.{dim}={getattr(shape, dim)}: algorithm={algorithm} needs mesh.{dim}=1 "
-                f"(a {dim} dimension needs {_NEEDS[dim]})"
+                f"(its dimensions are algorithm.dims={dims}; choose an algorithm with a {dim} dimension)"
             )
     world = world_size(cfg)
     if shape.world != world:
@@ -72,6 +64,14 @@ def mesh_shape(cfg) -> MeshShape:
             f"topology.procs_per_node={cfg.topology.procs_per_node})"
         )
     return shape
+
+
+def algorithm_dims(algorithm_cfg) -> list[str]:
+    """The mesh dimensions an algorithm declares (conf/algorithm/*.yaml `dims`); the shard dim always."""
+    dims = list(algorithm_cfg.get("dims") or [])
+    if not dims or "shard" not in dims or any(d not in DIMS for d in dims):
+        raise ConfigError(f"algorithm.dims={dims}: must list mesh dimensions among {list(DIMS)}, shard included")
+    return dims
 
 
 def world_size(cfg) -> int:

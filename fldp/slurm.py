@@ -96,6 +96,12 @@ OmegaConf.register_new_resolver("fldp_job_setup", job_setup, replace=True)
 OmegaConf.register_new_resolver("fldp_extra_sbatch", extra_sbatch, replace=True)
 
 
+def _unless_from_env(value, variable: str):
+    """None when the value is the environment's: sbatch reads SBATCH_ACCOUNT / SBATCH_QOS itself, so
+    the account never has to be written into the job script, its log or the dry run."""
+    return None if value is not None and value == os.environ.get(variable) else value
+
+
 def job_parameters(cfg, shape: MeshShape) -> dict:
     """submitit.SlurmExecutor parameters of the one job that runs `cfg`."""
     c, t = cfg.cluster, cfg.topology
@@ -111,7 +117,8 @@ def job_parameters(cfg, shape: MeshShape) -> dict:
         "nodes": t.nodes, "ntasks_per_node": t.procs_per_node, "cpus_per_task": c.cpus_per_task,
         "gpus_per_node": c.gpus_per_node if t.device == "cuda" else None,
         "mem": f"{c.mem_gb}GB" if c.mem_gb else None, "time": c.time_min,
-        "partition": c.partition, "account": c.account, "qos": c.qos,
+        "partition": c.partition, "account": _unless_from_env(c.account, "SBATCH_ACCOUNT"),
+        "qos": _unless_from_env(c.qos, "SBATCH_QOS"),
         "setup": job_setup(c.setup, c.cpus_per_task),
         "additional_parameters": extra_sbatch(c.sbatch, c.exclusive),
     }
@@ -145,6 +152,10 @@ def planned_steps(cfg, world: int):
     return blocks // (world * cfg.trainer.batch_size)
 
 
+def _from_env(variable: str, otherwise: str) -> str:
+    return f"(from {variable})" if os.environ.get(variable) else otherwise
+
+
 def describe(cfg, shape: MeshShape, params: dict) -> str:
     t, tr = cfg.topology, cfg.trainer
     group_nodes = shape.group_size / t.procs_per_node
@@ -160,7 +171,8 @@ def describe(cfg, shape: MeshShape, params: dict) -> str:
         f"seed {cfg.seed}",
         f"job: {t.nodes} nodes x {t.procs_per_node} tasks = {shape.world} tasks, one rank each"
         f" ({'NCCL' if t.device == 'cuda' else 'gloo'}), partition {params.get('partition', '(default)')}, "
-        f"account {params.get('account', '(not set)')}, qos {params.get('qos', '(default)')}, "
+        f"account {params.get('account', _from_env('SBATCH_ACCOUNT', '(not set)'))}, "
+        f"qos {params.get('qos', _from_env('SBATCH_QOS', '(default)'))}, "
         f"{params['time']} min",
         checkpoint.size_line(cfg, shape),
     ]

@@ -66,7 +66,7 @@ def test_measured_bytes_equal_the_exact_model(tmp_path, overrides):
     units = model_units(build_model(llama_config(cfg.model, 4096), "meta"), torch.float32)
     fedavg = cfg.algorithm.fedavg or {}
     pred = predict(units, shape, tier_bandwidth(cfg.topology.network, shape),
-                   cfg.algorithm.every if cfg.algorithm.name.startswith("fl_") else None,
+                   cfg.algorithm.every if cfg.algorithm.aggregation else None,
                    fedavg.get("mode", "leader_broadcast"), fedavg.get("bucket_mb", 25),
                    reshard_root_after_forward=cfg.fsdp.reshard_root_after_forward)
     rows = read_rows(tmp_path)

@@ -160,3 +160,16 @@ def test_fp32_reduce_is_closer_to_the_exact_mean_than_bf16(tmp_path):
     # fp32 accumulation then one rounding to bf16: within bf16's half ulp (2**-9 relative)
     assert errors["fp32"] <= 2**-9
     assert errors["bf16"] > errors["fp32"]
+
+
+def test_a_new_algorithm_is_one_yaml(tmp_path):
+    """conf/algorithm/diloco_hsdp.yaml extends fl_hsdp with DiLoCo's outer optimiser: it gets fl_hsdp's
+    mesh from every topology (layouts are keyed by dimensions, not names) and trains exactly as
+    fl_hsdp with the same outer settings."""
+    common = ["topology=local_8", "trainer.steps=4", "algorithm.every=2"]
+    new = compose_cfg("algorithm=diloco_hsdp", *common)
+    assert (new.mesh.federation, new.mesh.replicate, new.mesh.shard) == (2, 2, 2)
+    a = train_world(new, tmp_path / "new")
+    b = train_world(compose_cfg("algorithm=fl_hsdp", *common, *OUTERS["diloco"]), tmp_path / "old")
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert json.loads((tmp_path / "new" / "summary.json").read_text())["algorithm"] == "diloco_hsdp"
