@@ -11,6 +11,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from .errors import ConfigError
+
 # The metric field names, defined once: the trainer writes them, analysis/ reads them.
 PHASES = ("forward", "backward", "optimizer", "aggregation")
 TIME_FIELDS = tuple(f"time_{p}" for p in PHASES)
@@ -98,6 +100,38 @@ def wandb_labels(cfg) -> dict:
     return {"group": cfg.wandb.group, "job_type": cfg.algorithm.name, "tags": tags}
 
 
+def check_wandb_login(cfg) -> None:
+    """wandb.mode=online needs a key before any worker starts: W&B would otherwise ask for one on
+    standard input, which neither CI nor a compute node has."""
+    if cfg.wandb.mode != "online" or os.environ.get("WANDB_API_KEY"):
+        return
+    import netrc
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        known = netrc.netrc().authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        known = False
+    if not known:
+        raise ConfigError(f"wandb.mode=online: no W&B API key for {host} (set WANDB_API_KEY, or run `wandb login` "
+                          f"once); or use wandb.mode=offline and `wandb sync` later")
+
+
+def public_config(cfg) -> dict:
+    """The resolved config, less every value read from the environment (`${oc.env:...}`): an account,
+    a key or a path given there is the user's, not the experiment's, and W&B would keep it."""
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    raw = OmegaConf.to_container(cfg, resolve=False)
+
+    def strip(r, v):
+        if isinstance(r, dict):
+            return {k: strip(r[k], v[k]) for k in r}
+        return "(from the environment)" if isinstance(r, str) and "oc.env:" in r else v
+
+    return strip(raw, resolved)
+
+
 def _start_wandb(cfg, run_dir: Path):
     mode = cfg.wandb.mode
     if mode == "disabled":
@@ -111,7 +145,7 @@ def _start_wandb(cfg, run_dir: Path):
             project=cfg.wandb.project, entity=cfg.wandb.entity, mode=mode, id=wandb_id(run_dir),
             resume="allow", **wandb_labels(cfg),
             name=f"{cfg.algorithm.name}-{cfg.topology.name}-{run_dir.name}", dir=str(run_dir),
-            config=OmegaConf.to_container(cfg, resolve=True),
+            config=public_config(cfg),
             # never block a training run on a missing network
             settings=wandb.Settings(init_timeout=60, silent=True, console="off"),
         )

@@ -23,6 +23,7 @@ from .checkpoint import check_mesh, latest
 from .data import prepare
 from .errors import ConfigError, WorkerError
 from .mesh import mesh_shape
+from .records import check_wandb_login
 
 log = logging.getLogger("fldp")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are forked after tokenising
@@ -96,6 +97,7 @@ def _rank(cfg, run_dir, blocks, device):
 
 def run(cfg: DictConfig, run_dir: str) -> dict | None:
     shape = validate(cfg)
+    check_wandb_login(cfg)
     env = launch.from_environment()
     if env is None and slurm.submits(cfg):  # one SLURM job; the ranks run this function again inside it
         check_run_dir(cfg, shape, run_dir)
