@@ -32,9 +32,10 @@ _NAME = re.compile(r"fldp-(\d+)-(n\d+|sw)$")
 _MTU = 9000                # jumbo frames, as on cluster fabrics: 0.7% header bytes instead of 4.6%
 _BURST = 32 * 1024         # tbf bucket: bytes a link may send at once after an idle spell
 # tbf queue, in time at the link's rate. Shallow, as a switch's: a deep one delays the ACKs of one
-# direction behind the other direction's data and halves a pair's throughput (measured: 100 ms
-# queues slowed 2-rank exchanges 1.5-2x; 10-20 ms did not)
+# direction behind the other direction's data (measured: with 50-100 ms queues a 2-rank all-gather
+# took 1.5x its bytes / rate, with 20 ms it did not); deep enough that reno seldom drops
 _QUEUE_MS = 20
+_CONGESTION = "reno"
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,11 @@ class Network:
                 ns, port = self.namespace(k), f"n{k}"
                 self._add(ns)
                 self._run("ip", "-n", ns, "link", "set", "lo", "up")
+                # one congestion control on every machine (a new namespace inherits the host's: bbr
+                # here, cubic on Debian); reno is built into every kernel, and with the shallow
+                # queue below it drops ~6% of packets where bbr dropped ~45% (4 flows sharing a link)
+                self._run("ip", "netns", "exec", ns, "sh", "-c",
+                          f"echo {_CONGESTION} > /proc/sys/net/ipv4/tcp_congestion_control")
                 self._run("ip", "-n", ns, "link", "add", IFACE, "mtu", str(_MTU), "type", "veth",
                           "peer", "name", port, "mtu", str(_MTU), "netns", self.switch)
                 # IPv4 only: no link-local IPv6 address that gloo could pick instead
@@ -219,7 +225,8 @@ class Network:
 
     def describe(self) -> dict:
         return {"nodes": self.nodes, "procs_per_node": self.procs_per_node, "mbit_s": self.link.mbit_s,
-                "delay_ms": self.link.delay_ms, "queue_ms": _QUEUE_MS, "burst_kb": _BURST / 1024, "mtu": _MTU}
+                "delay_ms": self.link.delay_ms, "queue_ms": _QUEUE_MS, "burst_kb": _BURST / 1024, "mtu": _MTU,
+                "tcp": _CONGESTION}
 
 
 def _hint(stderr: str, link: Link) -> str:
