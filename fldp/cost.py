@@ -129,16 +129,29 @@ class Prediction:
     # seconds per step, per term, for both variants
     paper: dict[str, float] = field(default_factory=dict)
     exact: dict[str, float] = field(default_factory=dict)
-    # `exact` with gloo's collectives (what a CPU run sends) and a latency per collective
+    # `exact` with gloo's collectives (what a CPU run sends) and a latency per ring step, and the
+    # bytes per rank it counts
     gloo: dict[str, float] = field(default_factory=dict)
-    # the dimensions on a `link: node` tier (a netns topology's capped link), and B per dimension
+    gloo_bytes: dict[str, float] = field(default_factory=dict)
+    # the dimensions on a `link: node` tier (a netns topology's capped link), the flows crossing it
+    # at once per dimension, and B per dimension
     capped: tuple[str, ...] = ()
+    flows: dict[str, int] = field(default_factory=dict)
     bandwidth: dict[str, float] = field(default_factory=dict)
 
-    def capped_time(self, ring: bool = False) -> float:
-        """Seconds per step on the capped link: the gloo variant, or (ring=True) the exact one."""
+    def time(self, dims, ring: bool = False) -> float:
+        """Seconds per step of the collectives on `dims`: the gloo variant, or (ring=True) the exact one."""
         terms = self.exact if ring else self.gloo
-        return sum(v for k, v in terms.items() if (_DIM_OF.get(k, k)) in self.capped)
+        return sum(v for k, v in terms.items() if _DIM_OF.get(k, k) in dims)
+
+    def capped_time(self, ring: bool = False) -> float:
+        """Seconds per step on the capped link (a netns topology's inter-node tier)."""
+        return self.time(self.capped, ring)
+
+    def link_bytes(self) -> float:
+        """Bytes per step one node sends over its capped link (gloo's collectives, every flow)."""
+        return sum(sent * self.flows[_DIM_OF.get(k, k)] for k, sent in self.gloo_bytes.items()
+                   if _DIM_OF.get(k, k) in self.capped)
 
     def expected_row(self, aggregated: bool) -> dict:
         """The bytes_*/collectives_* fields metrics.jsonl must show for one step (rank 0 = the
@@ -201,41 +214,59 @@ def predict(units: Units, shape: MeshShape, bandwidth: dict[str, float], every: 
     # --- gloo variant (measured on the netns links, README "Communication"): gloo's reduce-scatter
     # is an all-reduce (2 (S-1) M per rank, twice a ring's) and its broadcast is flat (the root
     # sends the whole message to each of the R-1 others); all-gather and all-reduce are rings.
-    # Each collective adds its dimension's latency.
+    # Every step of a ring (a broadcast: every send) adds its dimension's latency (alpha-beta).
     lat = {d: (latency or {}).get(d, 0.0) for d in DIMS}
-    agg = pred.aggregation_collectives
-    pred.gloo = {
-        "shard": (S - 1) * sum(b * (g + 2) for b, g in zip(padded, gathers)) / B_S if S > 1 else 0.0,
-        "replicate": pred.exact["replicate"],
-        "federation": pred.exact["federation"],
-        "broadcast": (R - 1) * sum(units.local_shards(S, 0)) / A / B_R if "replicate" in pred.aggregation_bytes else 0.0,
+    buckets = pred.aggregation_collectives.get("federation", 0)
+    steps = {  # ring steps per step (aggregation amortised over A)
+        "shard": (sum(gathers) * (S - 1) + L * 2 * (S - 1)) if S > 1 else 0,
+        "replicate": L * 2 * (R - 1),
+        "federation": buckets * 2 * (F - 1) / A,
+        "broadcast": buckets * (R - 1) / A if "replicate" in pred.aggregation_bytes else 0,
     }
-    pred.gloo["shard"] += lat["shard"] * pred.step_collectives.get("shard", 0)
-    pred.gloo["replicate"] += lat["replicate"] * pred.step_collectives.get("replicate", 0)
-    pred.gloo["federation"] += lat["federation"] * agg.get("federation", 0) / A
-    pred.gloo["broadcast"] += lat["replicate"] * agg.get("replicate", 0) / A
+    pred.gloo_bytes = {  # per rank per step
+        "shard": (S - 1) * sum(b * (g + 2) for b, g in zip(padded, gathers)),
+        "replicate": pred.step_bytes.get("replicate", 0.0),
+        "federation": pred.aggregation_bytes.get("federation", 0.0) / A,
+        "broadcast": (R - 1) * sum(units.local_shards(S, 0)) / A if steps["broadcast"] else 0.0,
+    }
+    pred.gloo = {term: sent / bandwidth[_DIM_OF.get(term, term)] + lat[_DIM_OF.get(term, term)] * steps[term]
+                 for term, sent in pred.gloo_bytes.items()}
     return pred
 
 
-def predict_for(cfg, units: Units, algorithm: str | None = None, shape: MeshShape | None = None) -> Prediction:
-    """The prediction for a composed config (or another algorithm and mesh on its topology): A
-    (default 8), FedAvg mode and the topology's tiers (a `link: node` tier shared by the flows
-    crossing it; `latency_ms` per collective, if given)."""
+def predict_for(cfg, units: Units, algorithm: str | None = None, shape: MeshShape | None = None,
+                network=None) -> Prediction:
+    """The prediction for a composed config (or another algorithm and mesh on its topology, or
+    another network): A (default 8), FedAvg mode and the topology's tiers (a `link: node` tier
+    shared by the flows crossing it; `latency_ms` and `delay_ms` per ring step, if given)."""
     shape = shape or MeshShape(cfg.mesh.federation, cfg.mesh.replicate, cfg.mesh.shard)
     name = algorithm or cfg.algorithm.name
     every = (cfg.algorithm.every or 8) if name.startswith("fl_") else None
     # FL+HSDP's mode: the configured algorithm's, else the one the topology's reference numbers ran
     mode = (cfg.algorithm.get("fedavg") or {}).get("mode") or cfg.topology.get("fedavg_mode", "leader_broadcast")
     bucket_mb = (cfg.algorithm.get("fedavg") or {}).get("bucket_mb", 25.0)
-    network = cfg.topology.network
-    bandwidth = tier_bandwidth(network, shape, procs_per_node=cfg.topology.procs_per_node,
-                               leaders_only=mode == "leader_broadcast" and shape.replicate > 1)
+    network = network if network is not None else cfg.topology.network
+    leaders = mode == "leader_broadcast" and shape.replicate > 1
+    bandwidth = tier_bandwidth(network, shape, procs_per_node=cfg.topology.procs_per_node, leaders_only=leaders)
     on = tiers(network, shape)
-    latency = {d: on[d].get("latency_ms", 0.0) / 1e3 for d in DIMS}
+    latency = {d: (on[d].get("latency_ms", 0.0) + on[d].get("delay_ms", 0.0)) / 1e3 for d in DIMS}
     pred = predict(units, shape, bandwidth, every, mode, bucket_mb, cfg.fsdp.reshard_root_after_forward, latency)
     pred.capped = tuple(d for d in DIMS if on[d].get("link") == "node")
+    pred.flows = {d: crossing_flows(shape, d, cfg.topology.procs_per_node, leaders and d == "federation")
+                  for d in pred.capped}
     pred.bandwidth = bandwidth
     return pred
+
+
+def link_extra(cfg, units: Units, algorithm: str | None = None, shape: MeshShape | None = None) -> float:
+    """Seconds per step a netns run adds to the same run on loopback: the collectives of the
+    dimensions on the capped link, at the link's rate, less what they cost on the node tier
+    (loopback), where a plain local run sends them. 0 without a `link: node` tier."""
+    on_link = predict_for(cfg, units, algorithm, shape)
+    world = cfg.topology.nodes * cfg.topology.procs_per_node
+    loopback = [{**cfg.topology.network[0], "ranks": world}]  # every rank on one "node"
+    on_loopback = predict_for(cfg, units, algorithm, shape, network=loopback)
+    return on_link.capped_time() - on_loopback.time(on_link.capped)
 
 
 # ---------------------------------------------------------------- CLI: python -m fldp.cost
