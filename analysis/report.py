@@ -111,6 +111,15 @@ def build(runs: list[Run], problems: list[str], out: Path, paper: dict, command:
     return report
 
 
+def _network(summary: dict) -> str:
+    """summary["network"]: netns (emulated nodes and their capped links), loopback, sleep (comm.emulate)."""
+    link = summary.get("network_link") or {}
+    if summary.get("network") == "netns":
+        return (f"netns, {link['nodes']} emulated nodes x {link['procs_per_node']} ranks, each node's link "
+                f"capped at {link['mbit_s']:g} Mbit/s each way" + (f", {link['delay_ms']:g} ms delay" if link["delay_ms"] else ""))
+    return summary.get("network", "not recorded (older records)")
+
+
 def _report_md(report, paper, command, t3, md3, md4, ratio_md, findings_md, found, notes) -> str:
     runs = report.runs
     seeds = ", ".join(f"{row.label} {row.seeds}" for row in t3.itertuples())
@@ -128,6 +137,7 @@ def _report_md(report, paper, command, t3, md3, md4, ratio_md, findings_md, foun
         f"Setup of the first run: {first.get('model')} on {first.get('topology')} "
         f"({first.get('world_size')} ranks), {first.get('dataset')}, {first.get('steps')} steps, "
         f"precision {first.get('precision')}. Hyper-parameters: {setup_line}.",
+        "Network between the ranks: " + "; ".join(sorted({_network(r.summary) for r in runs})) + ".",
         f"Paper values from `analysis/paper_values.json`: {paper['source']}",
         "",
     ]

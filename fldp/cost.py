@@ -16,6 +16,7 @@ modelled: the paper's B_n is a per-process bottleneck bandwidth, and so is this.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -70,14 +71,48 @@ def model_units(model, dtype: torch.dtype) -> Units:
     return Units(params=params, element_size=torch.empty((), dtype=dtype).element_size())
 
 
-def tier_bandwidth(network, shape: MeshShape, scale: float = 1.0) -> dict[str, float]:
-    """Bytes/s of each mesh dimension: the smallest tier whose block of ranks holds its groups."""
+def tiers(network, shape: MeshShape) -> dict:
+    """Each mesh dimension's tier: the smallest whose block of ranks holds the dimension's groups."""
     extent = {"shard": shape.shard, "replicate": shape.replicate * shape.shard, "federation": shape.world}
+    return {dim: next((t for t in network if t["ranks"] >= extent[dim]), network[-1]) for dim in DIMS}
+
+
+def crossing_flows(shape: MeshShape, dim: str, procs_per_node: int, leaders_only: bool = False) -> int:
+    """The most ring edges of `dim`'s groups that leave one node, or enter it, at once: with node-major
+    ranks, every group of the dimension runs its collective at the same time, so these flows share
+    the node's link. E.g. 2 nodes x 4: FSDP's ring of 8 crosses each way once (1), HSDP's 4
+    replicate pairs (i, i+4) four times (4). leaders_only: only replica 0's groups (FedAvg's
+    leader_broadcast averages across groups among replica 0 alone)."""
+    stride = {"shard": 1, "replicate": shape.shard, "federation": shape.group_size}[dim]
+    size = getattr(shape, dim)
+    out, into = Counter(), Counter()
+    for first in range(shape.world):
+        if size == 1 or (first // stride) % size:  # one pass per group, from its first member
+            continue
+        if leaders_only and shape.coords(first)[1]:
+            continue
+        members = [first + k * stride for k in range(size)]
+        for a, b in zip(members, members[1:] + members[:1]):
+            if a // procs_per_node != b // procs_per_node:
+                out[a // procs_per_node] += 1
+                into[b // procs_per_node] += 1
+    return max([1, *out.values(), *into.values()])
+
+
+def tier_bandwidth(network, shape: MeshShape, scale: float = 1.0, procs_per_node: int | None = None,
+                   leaders_only: bool = False) -> dict[str, float]:
+    """Bytes/s of each mesh dimension, per rank: its tier's bandwidth, which is per rank (the paper's
+    B_n), or, for a tier with `link: node` (a node's link, e.g. the netns topologies), that link's
+    share of one of the flows crossing it at once (`crossing_flows`; needs procs_per_node)."""
     out = {}
-    for dim in DIMS:
-        tier = next((t for t in network if t["ranks"] >= extent[dim]), network[-1])
-        out[dim] = tier["gbit_s"] * 1e9 / 8 * scale
+    for dim, tier in tiers(network, shape).items():
+        leaders = leaders_only and dim == "federation"
+        shared = crossing_flows(shape, dim, procs_per_node, leaders) if tier.get("link") == "node" else 1
+        out[dim] = tier["gbit_s"] * 1e9 / 8 * scale / shared
     return out
+
+
+_DIM_OF = {"broadcast": "replicate"}  # FedAvg's broadcast runs on the replicate groups
 
 
 @dataclass
@@ -94,6 +129,29 @@ class Prediction:
     # seconds per step, per term, for both variants
     paper: dict[str, float] = field(default_factory=dict)
     exact: dict[str, float] = field(default_factory=dict)
+    # `exact` with gloo's collectives (what a CPU run sends) and a latency per ring step, and the
+    # bytes per rank it counts
+    gloo: dict[str, float] = field(default_factory=dict)
+    gloo_bytes: dict[str, float] = field(default_factory=dict)
+    # the dimensions on a `link: node` tier (a netns topology's capped link), the flows crossing it
+    # at once per dimension, and B per dimension
+    capped: tuple[str, ...] = ()
+    flows: dict[str, int] = field(default_factory=dict)
+    bandwidth: dict[str, float] = field(default_factory=dict)
+
+    def time(self, dims, ring: bool = False) -> float:
+        """Seconds per step of the collectives on `dims`: the gloo variant, or (ring=True) the exact one."""
+        terms = self.exact if ring else self.gloo
+        return sum(v for k, v in terms.items() if _DIM_OF.get(k, k) in dims)
+
+    def capped_time(self, ring: bool = False) -> float:
+        """Seconds per step on the capped link (a netns topology's inter-node tier)."""
+        return self.time(self.capped, ring)
+
+    def link_bytes(self) -> float:
+        """Bytes per step one node sends over its capped link (gloo's collectives, every flow)."""
+        return sum(sent * self.flows[_DIM_OF.get(k, k)] for k, sent in self.gloo_bytes.items()
+                   if _DIM_OF.get(k, k) in self.capped)
 
     def expected_row(self, aggregated: bool) -> dict:
         """The bytes_*/collectives_* fields metrics.jsonl must show for one step (rank 0 = the
@@ -109,7 +167,7 @@ class Prediction:
 
 def predict(units: Units, shape: MeshShape, bandwidth: dict[str, float], every: int | None = None,
             mode: str = "leader_broadcast", bucket_mb: float = 25.0,
-            reshard_root_after_forward: bool = False) -> Prediction:
+            reshard_root_after_forward: bool = False, latency: dict[str, float] | None = None) -> Prediction:
     F, R, S = shape.federation, shape.replicate, shape.shard
     B_S, B_R, B_F = bandwidth["shard"], bandwidth["replicate"], bandwidth["federation"]
     A = every or 1
@@ -152,7 +210,65 @@ def predict(units: Units, shape: MeshShape, bandwidth: dict[str, float], every: 
         "federation": pred.aggregation_bytes.get("federation", 0.0) / A / B_F,
         "broadcast": fed_bcast / B_R,
     }
+
+    # --- gloo variant (measured on the netns links, README "Communication"): gloo's reduce-scatter
+    # is an all-reduce (2 (S-1) M per rank, twice a ring's) and its broadcast is flat (the root
+    # sends the whole message to each of the R-1 others); all-gather and all-reduce are rings.
+    # Every step of a ring (a broadcast: every send) adds its dimension's latency (alpha-beta).
+    lat = {d: (latency or {}).get(d, 0.0) for d in DIMS}
+    buckets = pred.aggregation_collectives.get("federation", 0)
+    steps = {  # ring steps per step (aggregation amortised over A)
+        "shard": (sum(gathers) * (S - 1) + L * 2 * (S - 1)) if S > 1 else 0,
+        "replicate": L * 2 * (R - 1),
+        "federation": buckets * 2 * (F - 1) / A,
+        "broadcast": buckets * (R - 1) / A if "replicate" in pred.aggregation_bytes else 0,
+    }
+    pred.gloo_bytes = {  # per rank per step
+        "shard": (S - 1) * sum(b * (g + 2) for b, g in zip(padded, gathers)),
+        "replicate": pred.step_bytes.get("replicate", 0.0),
+        "federation": pred.aggregation_bytes.get("federation", 0.0) / A,
+        "broadcast": (R - 1) * sum(units.local_shards(S, 0)) / A if steps["broadcast"] else 0.0,
+    }
+    pred.gloo = {term: sent / bandwidth[_DIM_OF.get(term, term)] + lat[_DIM_OF.get(term, term)] * steps[term]
+                 for term, sent in pred.gloo_bytes.items()}
     return pred
+
+
+def predict_for(cfg, units: Units, aggregates: bool | None = None, shape: MeshShape | None = None,
+                network=None) -> Prediction:
+    """The prediction for a composed config (or another algorithm and mesh on its topology, or
+    another network): A (default 8), FedAvg mode and the topology's tiers (a `link: node` tier
+    shared by the flows crossing it; `latency_ms` and `delay_ms` per ring step, if given)."""
+    shape = shape or MeshShape(cfg.mesh.federation, cfg.mesh.replicate, cfg.mesh.shard)
+    if aggregates is None:  # the configured algorithm's (algorithm.aggregation), else the one asked for
+        aggregates = bool(cfg.algorithm.get("aggregation"))
+    # a schedule: its last period
+    every = (schedule_of(cfg.algorithm.every)[-1][1] if cfg.algorithm.every else 8) if aggregates else None
+    # FL+HSDP's mode: the configured algorithm's, else the one the topology's reference numbers ran
+    mode = (cfg.algorithm.get("fedavg") or {}).get("mode") or cfg.topology.get("fedavg_mode", "leader_broadcast")
+    bucket_mb = (cfg.algorithm.get("fedavg") or {}).get("bucket_mb", 25.0)
+    network = network if network is not None else cfg.topology.network
+    leaders = mode == "leader_broadcast" and shape.replicate > 1
+    bandwidth = tier_bandwidth(network, shape, procs_per_node=cfg.topology.procs_per_node, leaders_only=leaders)
+    on = tiers(network, shape)
+    latency = {d: (on[d].get("latency_ms", 0.0) + on[d].get("delay_ms", 0.0)) / 1e3 for d in DIMS}
+    pred = predict(units, shape, bandwidth, every, mode, bucket_mb, cfg.fsdp.reshard_root_after_forward, latency)
+    pred.capped = tuple(d for d in DIMS if on[d].get("link") == "node")
+    pred.flows = {d: crossing_flows(shape, d, cfg.topology.procs_per_node, leaders and d == "federation")
+                  for d in pred.capped}
+    pred.bandwidth = bandwidth
+    return pred
+
+
+def link_extra(cfg, units: Units, aggregates: bool | None = None, shape: MeshShape | None = None) -> float:
+    """Seconds per step a netns run adds to the same run on loopback: the collectives of the
+    dimensions on the capped link, at the link's rate, less what they cost on the node tier
+    (loopback), where a plain local run sends them. 0 without a `link: node` tier."""
+    on_link = predict_for(cfg, units, aggregates, shape)
+    world = cfg.topology.nodes * cfg.topology.procs_per_node
+    loopback = [{**cfg.topology.network[0], "ranks": world}]  # every rank on one "node"
+    on_loopback = predict_for(cfg, units, aggregates, shape, network=loopback)
+    return on_link.capped_time() - on_loopback.time(on_link.capped)
 
 
 # ---------------------------------------------------------------- CLI: python -m fldp.cost
@@ -196,11 +312,9 @@ def table(cfg) -> list[dict]:
     for key, layout in cfg.topology.layouts.items():
         name = algorithms[key].name
         shape = MeshShape(layout.federation, layout.replicate, layout.shard)
-        bandwidth = tier_bandwidth(cfg.topology.network, shape)
         fed = every if algorithms[key].aggregation else None
-        # FL+HSDP's mode: the configured algorithm's, else the one the topology's reference numbers ran
-        mode = (cfg.algorithm.get("fedavg") or {}).get("mode") or cfg.topology.get("fedavg_mode", "leader_broadcast")
-        pred = predict(units, shape, bandwidth, fed, mode, reshard_root_after_forward=cfg.fsdp.reshard_root_after_forward)
+        pred = predict_for(cfg, units, bool(fed), shape)
+        bandwidth = pred.bandwidth
         paper_total, exact_total = sum(pred.paper.values()), sum(pred.exact.values())
         rows.append({
             "algorithm": name, "mesh": str(shape), "every": fed,
@@ -210,6 +324,7 @@ def table(cfg) -> list[dict]:
             "exact_over_paper": exact_total / paper_total if paper_total else None,
             **{f"bytes_{d}_per_step": pred.bytes_per_step[d] for d in DIMS},
             "measured_step_s": measured.get(name),
+            "gloo_total_s": sum(pred.gloo.values()), "gloo_capped_s": pred.capped_time() if pred.capped else None,
         })
     return rows
 
@@ -235,9 +350,15 @@ def _print_table(cfg, rows) -> None:
     })
     if df.measured_step_s.notna().any():
         show["paper Table 4 step"] = df.measured_step_s
+    capped = df.gloo_capped_s.notna().any()
+    if capped:  # a netns topology: what gloo sends, and the part on the capped inter-node link
+        show["gloo total"], show["gloo on link"] = df.gloo_total_s, df.gloo_capped_s
     print(show.to_string(float_format=lambda x: f"{x:.4g}"))
     print("\nseconds per step (aggregation amortised over A); 'paper' = Eq. 1-5 as printed, 'exact' = bytes a "
           "ring collective sends per rank / B; GB = exact bytes sent per rank per step")
+    if capped:
+        print("B of a `link: node` tier = the node's link / the flows crossing it at once; 'gloo' = exact with "
+              "gloo's reduce-scatter (an all-reduce) and broadcast (flat), plus latency_ms per collective")
 
 
 def main() -> None:

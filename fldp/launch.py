@@ -2,6 +2,7 @@
 (torchrun, srun), or it forks the world's workers on this machine itself."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -95,9 +96,17 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _local_worker(index, fn, args, world, addr, port, device_type, timeout_s, threads, errors, parent):
+FORKED = False  # True in a worker run_local forked (summary.json: which network joined the ranks)
+
+
+def _local_worker(index, fn, args, world, addr, port, device_type, timeout_s, threads, errors, parent, network):
+    global FORKED
+    FORKED = True
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's handler is not the worker's
     _die_with_parent(parent)
     try:
+        if network is not None:  # before any socket or thread: they would stay in the host's namespace
+            network.enter(index)
         # Each of the N workers gets its own slice of the cores.
         torch.set_num_threads(threads)
         os.environ.update(RANK=str(index), WORLD_SIZE=str(world), LOCAL_RANK=str(index),
@@ -111,35 +120,39 @@ def _local_worker(index, fn, args, world, addr, port, device_type, timeout_s, th
     dist.destroy_process_group()
 
 
-def run_local(fn, args: tuple, world: int, device_type: str, cluster_cfg) -> None:
+def run_local(fn, args: tuple, world: int, device_type: str, cluster_cfg, network=None) -> None:
     """Fork `world` workers running fn(*args, device). Fork, not spawn: the parent has imported
     torch and prepared the data already (fork ~1 s for 8 workers on 2 cores, spawn ~24 s), and
     it has run no torch compute, so no thread pool is forked.
 
+    `network` (fldp.netns.Network): emulated nodes, created here and removed when this returns or
+    raises, SIGTERM included; each worker joins its node's namespace, rank 0's holds the rendezvous.
+
     When a worker fails, the others are stopped and the error raised is the FIRST one: once a rank
     dies its peers fail too, with "connection closed by peer", which says nothing of the cause."""
-    addr = cluster_cfg.master_addr
-    port = cluster_cfg.master_port or free_port(addr)
+    if network is not None:
+        addr = network.master_addr
+        port = cluster_cfg.master_port or network.port
+    else:
+        addr = cluster_cfg.master_addr
+        port = cluster_cfg.master_port or free_port(addr)
     ctx = mp.get_context("fork")
     errors = ctx.SimpleQueue()
     procs = [ctx.Process(target=_local_worker, name=f"fldp-rank{i}", args=(
         i, fn, args, world, addr, port, device_type, cluster_cfg.timeout_s,
-        cluster_cfg.threads_per_worker, errors, os.getpid())) for i in range(world)]
-    for p in procs:
-        p.start()
+        cluster_cfg.threads_per_worker, errors, os.getpid(), network)) for i in range(world)]
     deaths = []  # (rank, exitcode) of the first workers seen to fail
-    try:
-        alive = {p.sentinel: (i, p) for i, p in enumerate(procs)}
-        while alive and not deaths:
-            for sentinel in wait(list(alive)):
-                rank, p = alive.pop(sentinel)
-                p.join()  # a ready sentinel can precede the reaping that sets exitcode
-                if p.exitcode != 0:
-                    deaths.append((rank, p.exitcode))
-        if deaths:
-            time.sleep(_GRACE_S)  # let the cascade report, so the first error is known
-    finally:
-        _stop(procs)
+    with _terminate_raises(network is not None):
+        try:
+            if network is not None:
+                network.create()
+            for p in procs:
+                p.start()
+            _watch(procs, deaths)
+        finally:
+            _stop([p for p in procs if p.pid is not None])
+            if network is not None:
+                network.destroy()
     failures = sorted(_drain(errors))  # (time, rank, traceback), earliest first
     reported = {rank for _, rank, _ in failures}
     after = f"\n({len(failures)} other ranks failed after it)" if failures else ""
@@ -155,6 +168,41 @@ def run_local(fn, args: tuple, world: int, device_type: str, cluster_cfg) -> Non
 
 
 _GRACE_S = 1.0
+
+
+def _watch(procs, deaths: list) -> None:
+    """Until every worker has exited, or one failed (appended to `deaths` as (rank, exitcode))."""
+    alive = {p.sentinel: (i, p) for i, p in enumerate(procs)}
+    while alive and not deaths:
+        for sentinel in wait(list(alive)):
+            rank, p = alive.pop(sentinel)
+            p.join()  # a ready sentinel can precede the reaping that sets exitcode
+            if p.exitcode != 0:
+                deaths.append((rank, p.exitcode))
+    if deaths:
+        time.sleep(_GRACE_S)  # let the cascade report, so the first error is known
+
+
+@contextlib.contextmanager
+def _terminate_raises(active: bool):
+    """SIGTERM to the launcher raises KeyboardInterrupt, as Ctrl-C does, so the `finally` that
+    stops the workers and removes the emulated network runs (the default action exits at once;
+    without a network the workers die with their launcher anyway: PR_SET_PDEATHSIG)."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+    if not active:
+        yield
+        return
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread: signals cannot be handled here
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _drain(queue):

@@ -17,7 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from . import CONF, launch, slurm
+from . import CONF, launch, netns, slurm
 from .aggregation import FedAvgConfig
 from .checkpoint import check_mesh, latest
 from .data import prepare
@@ -62,6 +62,8 @@ def validate(cfg: DictConfig):
             raise ConfigError(f"{key}={value!r}: must be {expected}")
     if cfg.topology.device == "cuda" and not slurm.submits(cfg) and not torch.cuda.is_available():
         raise ConfigError(f"topology.device=cuda (topology={cfg.topology.name}): no CUDA device here")
+    # emulated nodes: the link's keys, root, `ip` and `tc`
+    netns.check(cfg, forks_locally=launch.from_environment() is None and not slurm.submits(cfg))
     return shape
 
 
@@ -109,7 +111,8 @@ def run(cfg: DictConfig, run_dir: str) -> dict | None:
         from . import trainer  # noqa: F401  (import once here, not in each of the forked workers)
         log.info("%s on %s: mesh %s (federation x replicate x shard), %d local workers, records in %s",
                  cfg.algorithm.name, cfg.topology.name, shape, shape.world, run_dir)
-        launch.run_local(_rank, (cfg, run_dir, blocks), shape.world, cfg.topology.device, cfg.cluster)
+        launch.run_local(_rank, (cfg, run_dir, blocks), shape.world, cfg.topology.device, cfg.cluster,
+                         network=netns.from_config(cfg))
         return json.loads((Path(run_dir) / "summary.json").read_text())
 
     # One rank of a world started by torchrun or srun.

@@ -21,6 +21,7 @@ from .cost import tier_bandwidth
 from .data import Blocks, RankBatches
 from .mesh import DIMS, ConfigError, build_mesh, group_mesh, mesh_shape
 from .model import DTYPES, build_model, init_weights, llama_config, parallelize
+from .netns import summary_fields
 from .records import PHASES, Recorder
 
 
@@ -236,6 +237,7 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None)
         "model": cfg.model.name, "dataset": cfg.dataset.name, "precision": cfg.trainer.precision,
         "batch_size": cfg.trainer.batch_size, "tokens": steps * tokens_per_step,
         "comm_emulated": bool(cfg.comm.emulate), "comm_scale": cfg.comm.scale if cfg.comm.emulate else None,
+        **summary_fields(cfg),
         "train_time_s": train_time, "train_loss": row["loss"], "train_perplexity": row["perplexity"],
         "eval_loss": eval_loss, "eval_perplexity": math.exp(eval_loss), "eval_time_s": eval_time,
     }

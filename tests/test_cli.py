@@ -32,6 +32,7 @@ def test_every_algorithm_on_every_local_topology(tmp_path, topology, algorithm):
     assert (summary["federation"], summary["replicate"], summary["shard"]) == LAYOUTS[topology][algorithm]
     assert summary["world_size"] == int(topology.split("_")[1])
     assert summary["steps"] == 2 and summary["eval_perplexity"] > 1
+    assert summary["network"] == "loopback" and summary["network_link"] is None
     rows = read_rows(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
     assert len(read_rows(tmp_path, "eval")) == 1

@@ -123,6 +123,7 @@ def test_emulated_tiers_slow_collectives_down(tmp_path):
         assert row["time_step"] >= floor
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["comm_emulated"] is True and summary["comm_scale"] == 1e-3
+    assert summary["network"] == "sleep"
 
 
 def test_cost_cli_prints_table_and_json(tmp_path):

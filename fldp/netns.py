@@ -1,0 +1,254 @@
+"""Emulated nodes on one machine: one Linux network namespace per node, joined through a bridge,
+each node's link capped with tc. Ranks of one node talk over their namespace's loopback (an
+address of the namespace is local, so the kernel never sends it through the capped veth); ranks
+of different nodes cross two capped hops (their node's uplink, then the peer's downlink), as
+through a full-duplex NIC and a switch.
+
+    namespace PREFIX-n<k> (node k): lo, fldp0 = 10.77.0.<k+1>/24, tc on fldp0 (upload)
+    namespace PREFIX-sw (switch):   br0, and the other end of every node's veth (n<k>, tc: download)
+
+PREFIX = fldp-<launcher pid>. Nothing is created in, or routed to, the root namespace: the
+namespaces hold only these links, so a worker can reach no address but its peers' and loopback.
+A launcher removes its namespaces when it ends (success, failure, Ctrl-C, SIGTERM); what a
+SIGKILLed launcher left behind, the next launcher removes (`reap()`: any fldp-<pid>-* whose pid
+is not running).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+from .mesh import ConfigError
+
+IFACE = "fldp0"            # each node's interface, inside its namespace (names are per namespace)
+SUBNET = "10.77.0"         # addresses exist only inside the run's namespaces
+PORT = 29500               # rendezvous port on rank 0's node: its namespace is new, so the port is free
+_CLONE_NEWNET = 0x40000000
+_NAME = re.compile(r"fldp-(\d+)-(n\d+|sw)$")
+_MTU = 9000                # jumbo frames, as on cluster fabrics: 0.7% header bytes instead of 4.6%
+_BURST = 32 * 1024         # tbf bucket: bytes a link may send at once after an idle spell
+# tbf queue, in time at the link's rate. Shallow, as a switch's: a deep one delays the ACKs of one
+# direction behind the other direction's data (measured: with 50-100 ms queues a 2-rank all-gather
+# took 1.5x its bytes / rate, with 20 ms it did not); deep enough that reno seldom drops
+_QUEUE_MS = 20
+_CONGESTION = "reno"
+
+
+@dataclass(frozen=True)
+class Link:
+    """One node's link to the switch, each direction capped alike."""
+    mbit_s: float
+    delay_ms: float = 0.0
+
+
+def enabled(topology) -> bool:
+    return topology.get("emulation") == "netns"
+
+
+def link_of(topology) -> Link:
+    """The inter-node tier of a netns topology (the outermost tier of `topology.network`), checked:
+    every error names its key."""
+    network = topology.get("network") or []
+    if len(network) < 2:
+        raise ConfigError(f"topology.network (topology={topology.name}): emulation=netns needs two tiers, "
+                          "the node (namespace loopback) and the inter-node link")
+    i = len(network) - 1
+    tier = network[i]
+    key = f"topology.network[{i}]"
+    for field, value, ok in (("gbit_s", tier.get("gbit_s"), lambda v: v > 0),
+                             ("delay_ms", tier.get("delay_ms", 0), lambda v: v >= 0)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+            raise ConfigError(f"{key}.{field}={value!r}: must be a number {'> 0' if field == 'gbit_s' else '>= 0'}")
+    if tier.get("link") != "node":
+        raise ConfigError(f"{key}.link={tier.get('link')!r}: must be 'node' with emulation=netns "
+                          "(the rate is each node's link, shared by its ranks)")
+    return Link(tier["gbit_s"] * 1e3, float(tier.get("delay_ms", 0)))
+
+
+def check(cfg, forks_locally: bool) -> Link | None:
+    """Validation before any worker starts: the topology's link, and whether this machine can
+    build it (root, iproute2). None for topologies without emulated nodes."""
+    topology = cfg.topology
+    if not enabled(topology):
+        if topology.get("emulation") not in (None, "netns"):
+            raise ConfigError(f"topology.emulation={topology.emulation!r}: must be netns or absent")
+        return None
+    link = link_of(topology)
+    name = f"topology={topology.name} (emulation=netns)"
+    if not forks_locally:
+        raise ConfigError(f"{name}: the emulated nodes exist only for workers this launcher forks "
+                          "(cluster=local, not under torchrun or srun)")
+    if topology.device != "cpu":
+        raise ConfigError(f"topology.device={topology.device!r}: {name} runs gloo on cpu")
+    if cfg.comm.emulate:
+        raise ConfigError(f"comm.emulate=true: {name} already has a real capped link; the sleeps would count it twice")
+    if topology.nodes < 2 or topology.nodes > 250:
+        raise ConfigError(f"topology.nodes={topology.nodes}: {name} needs 2 to 250 nodes")
+    missing_tools(name)
+    return link
+
+
+def missing_tools(name: str) -> None:
+    """Root and iproute2's `ip` and `tc`, or a ConfigError saying which is missing."""
+    if os.geteuid() != 0:
+        raise ConfigError(f"{name} needs root to create network namespaces (running as uid {os.geteuid()}); "
+                          "use a topology without emulation (e.g. topology=local_8)")
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            raise ConfigError(f"{name} needs the `{tool}` command (Debian: apt-get install iproute2), "
+                              "not found on PATH")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _sh(*cmd: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
+def namespaces() -> list[str]:
+    """Every fldp namespace on this machine (any launcher's)."""
+    out = _sh("ip", "netns", "list").stdout
+    return [line.split()[0] for line in out.splitlines() if line and _NAME.match(line.split()[0])]
+
+
+def reap() -> list[str]:
+    """Remove the namespaces of launchers that no longer run (a SIGKILLed launcher cannot clean
+    up after itself). A pid that was reused keeps its namespaces until that process ends too."""
+    gone = [ns for ns in namespaces() if not _pid_alive(int(_NAME.match(ns).group(1)))]
+    for ns in gone:
+        _sh("ip", "netns", "delete", ns)
+    return gone
+
+
+class Network:
+    """The namespaces and links of one run. create() before forking, enter() in each worker,
+    destroy() at the end, whatever happened."""
+
+    def __init__(self, nodes: int, procs_per_node: int, link: Link, prefix: str | None = None):
+        self.nodes, self.procs_per_node, self.link = nodes, procs_per_node, link
+        self.prefix = prefix or f"fldp-{os.getpid()}"
+        self.switch = f"{self.prefix}-sw"
+        self.port = PORT
+        self.created: list[str] = []
+
+    def namespace(self, node: int) -> str:
+        return f"{self.prefix}-n{node}"
+
+    def address(self, node: int) -> str:
+        return f"{SUBNET}.{node + 1}"
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.procs_per_node  # ranks are node-major, as on a cluster
+
+    @property
+    def master_addr(self) -> str:
+        return self.address(0)
+
+    def _run(self, *cmd: str) -> None:
+        done = _sh(*cmd)
+        if done.returncode:
+            raise ConfigError(f"emulated network: `{' '.join(cmd)}` failed: {done.stderr.strip()}"
+                              + _hint(done.stderr, self.link))
+
+    def _add(self, ns: str) -> None:
+        self._run("ip", "netns", "add", ns)
+        self.created.append(ns)
+
+    def create(self) -> None:
+        reap()
+        try:
+            self._add(self.switch)
+            self._run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+            self._run("ip", "-n", self.switch, "link", "set", "br0", "up")
+            for k in range(self.nodes):
+                ns, port = self.namespace(k), f"n{k}"
+                self._add(ns)
+                self._run("ip", "-n", ns, "link", "set", "lo", "up")
+                # one congestion control on every machine (a new namespace inherits the host's: bbr
+                # here, cubic on Debian); reno is built into every kernel, and with the shallow
+                # queue below it drops ~6% of packets where bbr dropped ~45% (4 flows sharing a link)
+                self._run("ip", "netns", "exec", ns, "sh", "-c",
+                          f"echo {_CONGESTION} > /proc/sys/net/ipv4/tcp_congestion_control")
+                self._run("ip", "-n", ns, "link", "add", IFACE, "mtu", str(_MTU), "type", "veth",
+                          "peer", "name", port, "mtu", str(_MTU), "netns", self.switch)
+                # IPv4 only: no link-local IPv6 address that gloo could pick instead
+                self._run("ip", "-n", ns, "link", "set", IFACE, "addrgenmode", "none")
+                self._run("ip", "-n", ns, "addr", "add", f"{self.address(k)}/24", "dev", IFACE)
+                self._run("ip", "-n", ns, "link", "set", IFACE, "up")
+                self._run("ip", "-n", self.switch, "link", "set", port, "master", "br0", "up")
+                self._shape(ns, IFACE)           # node -> switch (upload)
+                self._shape(self.switch, port)   # switch -> node (download)
+        except BaseException:
+            self.destroy()
+            raise
+
+    def _shape(self, ns: str, dev: str) -> None:
+        """tbf caps the rate; netem, under it, adds the delay (both directions: one-way delay
+        each, so the round trip is 2 x delay_ms)."""
+        link = self.link
+        limit = max(4 * _MTU, int(link.mbit_s * 1e6 / 8 * _QUEUE_MS / 1e3))
+        tbf = ["tbf", "rate", f"{link.mbit_s:g}mbit", "burst", str(_BURST), "limit", str(limit)]
+        self._run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", *tbf)
+        if link.delay_ms > 0:
+            self._run("tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:",
+                      "netem", "delay", f"{link.delay_ms:g}ms", "limit", "100000")
+
+    def destroy(self) -> None:
+        """Delete the namespaces (their links and qdiscs go with them). Idempotent."""
+        while self.created:
+            _sh("ip", "netns", "delete", self.created.pop())
+
+    def enter(self, rank: int) -> None:
+        """Move this process (one thread: call it first thing in a forked worker, before any
+        socket or thread exists) into its node's namespace, and bind gloo to the node's link."""
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = os.open(f"/run/netns/{self.namespace(self.node_of(rank))}", os.O_RDONLY)
+        try:
+            if libc.setns(fd, _CLONE_NEWNET) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"setns into {self.namespace(self.node_of(rank))}: {os.strerror(err)}")
+        finally:
+            os.close(fd)
+        os.environ["GLOO_SOCKET_IFNAME"] = IFACE
+
+    def describe(self) -> dict:
+        return {"nodes": self.nodes, "procs_per_node": self.procs_per_node, "mbit_s": self.link.mbit_s,
+                "delay_ms": self.link.delay_ms, "queue_ms": _QUEUE_MS, "burst_kb": _BURST / 1024, "mtu": _MTU,
+                "tcp": _CONGESTION}
+
+
+def _hint(stderr: str, link: Link) -> str:
+    if "qdisc kind is unknown" in stderr and link.delay_ms > 0:
+        return (f"\n(this kernel has no netem qdisc for delay_ms={link.delay_ms:g}: CONFIG_NET_SCH_NETEM; "
+                "set topology.network[-1].delay_ms=0)")
+    return ""
+
+
+def from_config(cfg) -> Network | None:
+    link = link_of(cfg.topology) if enabled(cfg.topology) else None
+    return Network(cfg.topology.nodes, cfg.topology.procs_per_node, link) if link else None
+
+
+def summary_fields(cfg) -> dict:
+    """What joined the ranks, for summary.json: `netns` (emulated nodes, with the link), `sleep`
+    (comm.emulate: loopback plus sleeps of bytes / tier bandwidth), `loopback` (forked here), or
+    `external` (ranks started by torchrun/srun: whatever network joins their hosts)."""
+    if cfg.comm.emulate:
+        return {"network": "sleep", "network_link": None}
+    if enabled(cfg.topology):
+        return {"network": "netns", "network_link": from_config(cfg).describe()}
+    from .launch import FORKED  # set in the workers run_local forks
+
+    return {"network": "loopback" if FORKED else "external", "network_link": None}
