@@ -248,7 +248,7 @@ class Outer:
             make = lambda a: torch.optim.SGD([a], lr=config.lr, momentum=config.momentum,  # noqa: E731
                                              nesterov=config.nesterov)
         else:
-            make = lambda a: torch.optim.Adam([a], lr=config.lr, betas=tuple(config.betas), eps=config.eps)  # noqa: E731
+            make = lambda a: torch.optim.Adam([a], lr=config.lr, betas=tuple(map(float, config.betas)), eps=config.eps)  # noqa: E731
         self.optimizers = [make(a) for a in self.anchors]
         for anchor, optimizer in zip(self.anchors, self.optimizers):
             # the state torch would create at the first step, made now so a checkpoint can load into
