@@ -471,9 +471,17 @@ def test_the_issues_inputs_exit_2_naming_the_key(tmp_path, override, key):
     assert time.monotonic() - start < 60
 
 
+CLI_BASES = [(f"algorithm={a}", *CLI_BASE) for a in ALGORITHMS]
+
+
 @pytest.mark.limit_s(900)
 @settings(max_examples=CLI_EXAMPLES, **SETTINGS)
-@given(scenario([(f"algorithm={a}", *CLI_BASE) for a in ALGORITHMS], skip=frozenset(CLI_SKIP)))
+@given(scenario(CLI_BASES, skip=frozenset(CLI_SKIP)))
+@example((CLI_BASES[3], [Mutation("model.hidden_size=48 model.num_attention_heads=4 model.num_key_value_heads=2",
+                                  MODEL_SHAPE, True),
+                         Mutation("algorithm.every=[[0,1],[16,8]]", ("algorithm.every",), True)])).via("trains")
+@example((CLI_BASES[0], [Mutation("optimizer.betas=[0,0]", ("optimizer.betas",), True),
+                         Mutation("model.rms_norm_eps=1", ("model.rms_norm_eps",), True)])).via("ints for floats")
 def test_fuzzed_configs_on_the_command_line(case):
     """Through `python -m fldp.train` on local_2: one step trained, or exit 2 naming a changed key
     before any worker starts, and never a worker's traceback."""
@@ -484,6 +492,8 @@ def test_fuzzed_configs_on_the_command_line(case):
     args = [*base, *overrides_of(mutations), f"hydra.run.dir={run_dir}"]
     out = cli(*args, cwd=run_dir, timeout=300)
     cmd = "python -m fldp.train " + " ".join(shlex.quote(a) for a in args)
+    event(f"exit {out.returncode}" + (" (expected: refused)" if allowed else ""))
+    print(f"exit {out.returncode}: {cmd}")
     if out.returncode == 0:
         assert not allowed, f"accepted an invalid config (expected a refusal naming one of {sorted(allowed)})\n  {cmd}"
         assert (run_dir / "summary.json").exists(), cmd
