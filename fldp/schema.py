@@ -35,7 +35,7 @@ class Spec:
     is a setting only where that other key has one of those values, and needed there unless optional
     (the SLURM clusters' keys: set on cluster=local, they would silently do nothing)."""
     what: str
-    test: Callable[[Any], bool]
+    test: Callable[[Any], bool] = lambda v: True   # containers: their parts are checked instead
     null: bool = False
     optional: bool = False
     when: tuple | None = None
@@ -59,7 +59,6 @@ class Spec:
 class Section(Spec):
     """A mapping with fixed keys, each with its Spec (`fields`); a dotted key's parent."""
     what: str = "a mapping"
-    test: Callable = lambda v: True
     kind: str = "section"
     fields: dict = field(default_factory=dict)
 
@@ -68,7 +67,6 @@ class Section(Spec):
 class ListOf(Spec):
     """A list whose items each satisfy `item` (a Spec or a Section), of `length` items if given."""
     what: str = "a list"
-    test: Callable = lambda v: True
     kind: str = "list"
     item: Spec | None = None
     length: int | None = None
@@ -79,7 +77,6 @@ class ListOf(Spec):
 class MapOf(Spec):
     """A mapping with open keys (or only `keys`), every value satisfying `value`."""
     what: str = "a mapping"
-    test: Callable = lambda v: True
     kind: str = "map"
     value: Spec | None = None
     keys: tuple | None = None
