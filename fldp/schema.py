@@ -178,7 +178,8 @@ KEYS: dict[str, Spec] = {
     "topology.network": ListOf("a list of network tiers, innermost first", min_length=1, item=Section(fields={
         "tier": Text(), "ranks": Int(ge=1), "gbit_s": Num(gt=0),
         "link": Choice("node", None, optional=True),          # netns: the node's link is shared
-        "delay_ms": Num(ge=0, optional=True)})),               # netns: one-way delay (netem)
+        "delay_ms": Num(ge=0, optional=True),                  # netns: one-way delay (netem)
+        "latency_ms": Num(ge=0, optional=True)})),             # netns: the cost model's per-collective latency
     "topology.emulation_scale": Num(gt=0),
     "topology.paper_setting": Bool(optional=True),
     "topology.fedavg_mode": Choice(*MODES, optional=True),
@@ -255,6 +256,8 @@ KEYS: dict[str, Spec] = {
     "trainer.progress": Bool(),
     "trainer.checkpoint_every": Int(ge=0),
     "trainer.resume": Choice(None, "auto"),
+    "trainer.keep_last": Int(ge=0, null=True, optional=True),   # ops: prune older checkpoints
+    "trainer.async_save": Bool(optional=True),                  # ops: DCP async_save
     "fsdp.reshard_root_after_forward": Bool(),
     "optimizer.name": Choice("adamw", "sgd"),
     "optimizer.lr": Num(ge=0),                       # torch: "Invalid learning rate" below 0
