@@ -94,7 +94,7 @@ def _source(data_cfg, split: str) -> str:
     files = data_cfg.data_files or {}
     key = "dataset.train_split" if split == data_cfg.train_split else "dataset.eval_split"
     if split in files:
-        return f"dataset.data_files.{split}={files[split]} (dataset.path={data_cfg.path}, {key}={split})"
+        return f"dataset.data_files.{split}={files[split]}"
     return f"dataset.path={data_cfg.path} ({key}={split})"
 
 
@@ -117,7 +117,8 @@ def _documents(data_cfg, split: str):
     except StopIteration:  # datasets' json builder raises it on a file with no line at all
         pass
     except Exception as e:  # unreadable, truncated, corrupt, not JSON, not UTF-8
-        raise ConfigError(f"{source}: cannot read ({type(e).__name__}: {e})") from e
+        via = f" as dataset.path={data_cfg.path}" if data_cfg.data_files else ""  # the builder may be the wrong one
+        raise ConfigError(f"{source}: cannot read{via} ({type(e).__name__}: {e})") from e
     if count == 0:
         raise ConfigError(f"{source}: no documents (an empty file or split)")
 

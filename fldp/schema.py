@@ -480,8 +480,8 @@ def check(cfg) -> None:
 
 def check_values(values: dict) -> None:
     """Check a few keys (dotted, as in KEYS) outside a whole config: the dataclasses built from them."""
-    check_ = _Check({}, {})
+    found = _Check({}, {})
     for key, value in values.items():
-        check_.value(key, value, KEYS[key])
-    if check_.problems:
-        raise ConfigError("; ".join(check_.problems))
+        found.value(key, value, KEYS[key])
+    if found.problems:
+        raise ConfigError("; ".join(found.problems))
