@@ -25,7 +25,7 @@ from omegaconf import DictConfig, ListConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from .aggregation import MODES, OUTER, REDUCE_DTYPES, schedule_of
-from .mesh import PINNED, ConfigError
+from .mesh import DIMS, ConfigError
 
 
 @dataclass(frozen=True)
@@ -145,20 +145,24 @@ def _schedule(v) -> bool:
 SCALAR = Spec("a string, number or boolean", lambda v: isinstance(v, (str, int, float)))
 MESH = Section(fields={d: Int(ge=1) for d in ("federation", "replicate", "shard")})
 SLURM = ("cluster.launcher", ("slurm",))   # `when` of the keys only a SLURM cluster has
-FL = ("algorithm.name", ("fl_fsdp", "fl_hsdp"))
+FEDAVG = ("algorithm.aggregation", ("fedavg",))   # ... only an aggregating algorithm has
+# topology.layouts: one (F, R, S) per set of dimensions an algorithm can have (fldp_layout's keys)
+LAYOUTS = ("shard", "replicate_shard", "federation_shard", "federation_replicate_shard")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 
 # Every key of every config group: conf/<group>/*.yaml and conf/config.yaml. A section is any key
 # with dotted children; list it only to make it nullable or optional.
 KEYS: dict[str, Spec] = {
     # algorithm: conf/algorithm/*.yaml
-    "algorithm.name": Choice(*PINNED),
+    "algorithm.name": Text(),
+    "algorithm.dims": ListOf("a list of mesh dimensions, shard included", item=Choice(*DIMS), min_length=1),
+    "algorithm.aggregation": Choice("fedavg", None),
     "algorithm.every": Spec("an integer A >= 1, or a schedule [[0, A0], [step1, A1], ...] of increasing "
                             "steps from 0 and periods >= 1", _schedule, null=True),
     "algorithm.fedavg": Section(null=True),
     "algorithm.fedavg.bucket_mb": Num(gt=0),
     "algorithm.fedavg.mode": Choice(*MODES, optional=True),
-    "algorithm.outer": Section(optional=True, when=FL),
+    "algorithm.outer": Section(optional=True, when=FEDAVG),
     "algorithm.outer.name": Choice(*OUTER),
     "algorithm.outer.lr": Num(gt=0),
     "algorithm.outer.momentum": Num(ge=0, lt=1),
@@ -167,13 +171,13 @@ KEYS: dict[str, Spec] = {
     "algorithm.outer.eps": Num(gt=0),
     "algorithm.outer.reduce_dtype": Choice(*REDUCE_DTYPES),
     "algorithm.federate": ListOf("a list of regular expressions", item=Spec("a regular expression", _compiles),
-                                 optional=True, when=FL),
+                                 optional=True, when=FEDAVG),
     # topology: conf/topology/*.yaml
     "topology.name": Text(),
     "topology.nodes": Int(ge=1),
     "topology.procs_per_node": Int(ge=1),
     "topology.device": Choice("cpu", "cuda"),
-    "topology.layouts": MapOf("a mapping of algorithm to {federation, replicate, shard}", value=MESH, keys=tuple(PINNED)),
+    "topology.layouts": MapOf("a mapping of dimensions to {federation, replicate, shard}", value=MESH, keys=LAYOUTS),
     "topology.precision": Choice("fp32", "bf16"),
     "topology.network": ListOf("a list of network tiers, innermost first", min_length=1, item=Section(fields={
         "tier": Text(), "ranks": Int(ge=1), "gbit_s": Num(gt=0),
@@ -241,6 +245,8 @@ KEYS: dict[str, Spec] = {
     "cluster.sbatch": MapOf("a mapping of sbatch option to value", value=SCALAR, when=SLURM),
     "cluster.folder": Text(null=True, when=SLURM),
     "cluster.poll_s": Num(gt=0, when=SLURM),
+    "cluster.max_requeue": Int(ge=0, optional=True, when=SLURM),          # ops: requeue on time limit
+    "cluster.signal_s": Int(ge=0, le=65535, optional=True, when=SLURM),   # ops: sbatch --signal=USR2@N
     "cluster.node_local_dirs": ListOf("a list of directories", item=Text(), optional=True, when=SLURM),  # preflight
     # conf/config.yaml
     "mesh.federation": Int(ge=1),

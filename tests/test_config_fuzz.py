@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 
 from conftest import QUICK, ROOT, cli
 from fldp import schema
-from fldp.mesh import PINNED, ConfigError
+from fldp.mesh import DIMS, ConfigError
 from fldp.train import validate
 
 LONG = int(os.environ.get("FLDP_FUZZ_EXAMPLES", 0))
@@ -41,8 +41,7 @@ CLI_EXAMPLES = max(4, LONG // 100)
 SETTINGS = dict(deadline=None, database=None, derandomize=not LONG, print_blob=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                        HealthCheck.filter_too_much])
-ALGORITHMS = tuple(PINNED)
-FL = ("fl_fsdp", "fl_hsdp")
+ALGORITHMS = ("fsdp", "hsdp", "fl_fsdp", "fl_hsdp", "diloco_hsdp")
 # composed configs the mutations start from: every algorithm, local and SLURM clusters, both models
 BASES = [(f"algorithm={a}", "topology=local_8") for a in ALGORITHMS] + [
     ("algorithm=fl_hsdp", "topology=leonardo_512"), ("algorithm=fsdp", "topology=leonardo_512"),
@@ -103,6 +102,8 @@ CUSTOM = {
     "model.rope_scaling": ([None, ROPE, {"rope_type": "default"}, {"rope_type": "linear", "factor": 2.0}],
                            ["abc", {"rope_type": "llama3", "factor": 8.0}, {"rope_type": "bogus"}, {"factor": 2.0}]),
     "topology.layouts": ([], ["abc"]),
+    "algorithm.dims": ([["shard"], ["replicate", "shard"], ["federation", "shard"]],
+                       [[], ["bogus"], "abc", ["federation", "replicate"]]),   # the last: no shard
     "dataset.data_files": ([None], ["abc", {"train": [1]}]),
 }
 # keys drawn only invalid here: their valid values move the mesh (drawn jointly below) or the group
@@ -203,20 +204,20 @@ class Mutation:
     valid: bool         # judged alone; the cross-key oracle judges the whole config after
 
 
-def _base_algorithm(base: tuple) -> str:
-    return plain_base(base)["algorithm"]["name"]
+def layout_of(cfg: dict) -> str:
+    """The topology.layouts key of a config's algorithm: its dimensions, outermost first."""
+    return "_".join(d for d in DIMS if d in (cfg["algorithm"].get("dims") or []))
 
 
 @st.composite
 def key_mutation(draw, base: tuple, skip=frozenset()):
     """One key: set to a valid or an invalid value, added (+) if optional and absent, deleted (~),
     or a misspelt key added next to it."""
-    algorithm = _base_algorithm(base)
     pool = [t for t in base_targets(base) if t.name not in skip | GROUPS and not t.name.startswith(
         tuple(f"{s}." for s in skip)) and not t.name.startswith(MODEL_SHAPE)]
     t = draw(st.sampled_from(pool))
     valid, invalid = samples(t.name, t.spec)
-    if t.name in INVALID_ONLY or t.name.startswith(f"topology.layouts.{algorithm}."):
+    if t.name in INVALID_ONLY or t.name.startswith(f"topology.layouts.{layout_of(plain_base(base))}."):
         valid = []
     # valid values as often as all the ways to be wrong together, so that whole configs pass often
     kinds = (["valid"] * 4 if valid else []) + (["invalid"] * 2 if invalid else []) + ["typo"] + (
@@ -240,8 +241,9 @@ def mesh_mutation(draw, base: tuple):
     cfg = plain_base(base)
     world = cfg["topology"]["nodes"] * cfg["topology"]["procs_per_node"]
     sizes = [d for d in (1, 2, 3, 4, 8, 16, 32, 128, 512) if world % d == 0]
+    dims = cfg["algorithm"]["dims"]
     fits = [(f, r, world // (f * r)) for f in sizes for r in sizes if world % (f * r) == 0
-            and all((f, r)[i] == 1 for i, d in enumerate(("federation", "replicate")) if d in PINNED[cfg["algorithm"]["name"]])]
+            and (f == 1 or "federation" in dims) and (r == 1 or "replicate" in dims)]
     dims = st.sampled_from([1, 2, 4, 8, 3, 0])
     f, r, s = draw(st.sampled_from(fits) | st.tuples(dims, dims, dims))
     return Mutation(" ".join(f"mesh.{d}={v}" for d, v in zip(("federation", "replicate", "shard"), (f, r, s))),
@@ -270,18 +272,22 @@ def culprits(cfg: dict, changed: set) -> set:
     bad = set()
     a, t, m = cfg["algorithm"], cfg["topology"], cfg["mesh"]
     dims = (m["federation"], m["replicate"], m["shard"])
-    if all(isinstance(d, int) for d in dims):
+    if "shard" not in a["dims"]:
+        bad |= {"algorithm.dims"}
+    elif all(isinstance(d, int) for d in dims):
         world = t["nodes"] * t["procs_per_node"]
-        pinned = any(m[d] != 1 for d in PINNED[a["name"]])
+        pinned = any(m[d] != 1 for d in DIMS if d not in a["dims"])
         if math.prod(dims) != world or pinned:
             bad |= {"mesh.federation", "mesh.replicate", "mesh.shard", "topology.nodes", "topology.procs_per_node",
-                    *(f"topology.layouts.{a['name']}.{d}" for d in m)}
+                    "algorithm.dims", *(f"topology.layouts.{layout_of(cfg)}.{d}" for d in m)}
     if not model_runs(*(cfg["model"][k.split(".")[1]] for k in MODEL_SHAPE)):
         bad |= set(MODEL_SHAPE)
     rope = cfg["model"].get("rope_scaling")
     if isinstance(rope, dict) and not set(schema.ROPE_NEEDS.get(rope.get("rope_type"), ())) <= rope.keys():
         bad.add("model.rope_scaling")
-    if a["name"] in FL:
+    if a["aggregation"] == "fedavg" and "federation" not in a["dims"]:
+        bad |= {"algorithm.aggregation", "algorithm.dims"}
+    elif a["aggregation"] == "fedavg":
         outer = a.get("outer") or {}
         if outer.get("nesterov") is True and outer.get("momentum", 0) == 0:
             bad |= {"algorithm.outer.nesterov", "algorithm.outer.momentum", "algorithm.outer"}
@@ -334,8 +340,9 @@ def overrides_of(mutations) -> list[str]:
 
 
 def names_one(message: str, keys: set) -> bool:
-    """The message names one of the keys, or the section holding it."""
-    shown = {k.replace("[", ".").replace("]", "") for k in keys} | set(keys)
+    """The message names one of the keys, or the section holding it (below a group: model.rope_scaling
+    for model.rope_scaling.factor, not model)."""
+    shown = set(keys) | {k.rsplit(".", i)[0] for k in keys for i in range(1, k.count("."))}
     return any(re.search(rf"(^|[\s,(]){re.escape(k)}([=:.,\s\[)]|$)", message) for k in shown)
 
 
@@ -390,7 +397,8 @@ def test_every_shipped_combination_validates():
 
 def test_every_schema_key_is_fuzzed():
     """A key added to the schema is drawn too: present in a base, or addable there with +."""
-    reached = {re.sub(r"\[\d+\]|\.(fsdp|hsdp|fl_fsdp|fl_hsdp)\.", lambda m: "." if m.group(1) else "", t.name)
+    layouts = "|".join(schema.LAYOUTS)
+    reached = {re.sub(rf"\[\d+\]|\.({layouts})\.", lambda m: "." if m.group(1) else "", t.name)
                for b in BASES for t in base_targets(b)}
     missing = {k for k in schema.KEYS if k not in reached and not isinstance(schema.KEYS[k], schema.Section)}
     assert not missing, missing
