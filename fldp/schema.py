@@ -143,7 +143,7 @@ def _schedule(v) -> bool:
 
 
 SCALAR = Spec("a string, number or boolean", lambda v: isinstance(v, (str, int, float)))
-MESH = Section(fields={d: Int(ge=1) for d in ("federation", "replicate", "shard")})
+MESH = Section(fields={d: Int(ge=1) for d in DIMS})
 SLURM = ("cluster.launcher", ("slurm",))   # `when` of the keys only a SLURM cluster has
 FEDAVG = ("algorithm.aggregation", ("fedavg",))   # ... only an aggregating algorithm has
 # topology.layouts: one (F, R, S) per set of dimensions an algorithm can have (fldp_layout's keys)
