@@ -25,7 +25,8 @@ from omegaconf import DictConfig, ListConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from .aggregation import MODES, OUTER, REDUCE_DTYPES, schedule_of
-from .mesh import DIMS, ConfigError
+from .errors import ConfigError
+from .mesh import DIMS
 
 
 @dataclass(frozen=True)

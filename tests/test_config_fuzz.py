@@ -32,7 +32,8 @@ from hypothesis import strategies as st
 
 from conftest import QUICK, ROOT, cli
 from fldp import schema
-from fldp.mesh import DIMS, ConfigError
+from fldp.errors import ConfigError
+from fldp.mesh import DIMS
 from fldp.train import validate
 
 LONG = int(os.environ.get("FLDP_FUZZ_EXAMPLES", 0))
@@ -482,7 +483,7 @@ def test_the_issues_inputs_exit_2_naming_the_key(tmp_path, override, key):
 CLI_BASES = [(f"algorithm={a}", *CLI_BASE) for a in ALGORITHMS]
 
 
-@pytest.mark.limit_s(900)
+@pytest.mark.timeout(900)
 @settings(max_examples=CLI_EXAMPLES, **SETTINGS)
 @given(scenario(CLI_BASES, skip=frozenset(CLI_SKIP)))
 @example((CLI_BASES[3], [Mutation("model.hidden_size=48 model.num_attention_heads=4 model.num_key_value_heads=2",
