@@ -46,20 +46,12 @@ class OuterConfig:
     reduce_dtype: str | None = None   # None: the parameters' dtype (the authors' bf16 all-reduce)
 
     def __post_init__(self):
-        checks = [
-            (self.name in OUTER, "name", f"one of {list(OUTER)}"),
-            (_number(self.lr) and self.lr > 0, "lr", "a number > 0"),
-            (_number(self.momentum) and 0 <= self.momentum < 1, "momentum", "a number in [0, 1)"),
-            (isinstance(self.nesterov, bool) and not (self.nesterov and not self.momentum), "nesterov",
-             "true or false, and true needs momentum > 0"),
-            (isinstance(self.betas, (list, tuple)) and len(self.betas) == 2 and all(_number(b) and 0 <= b < 1 for b in self.betas), "betas",
-             "two numbers in [0, 1)"),
-            (_number(self.eps) and self.eps > 0, "eps", "a number > 0"),
-            (self.reduce_dtype in REDUCE_DTYPES, "reduce_dtype", "null (the parameters' dtype), bf16 or fp32"),
-        ]
-        for ok, key, expected in checks:
-            if not ok:
-                raise ConfigError(f"algorithm.outer.{key}={getattr(self, key)!r}: must be {expected}")
+        from .schema import check_values  # the schema imports this module's names
+
+        check_values({f"algorithm.outer.{k}": getattr(self, k) for k in self.__dataclass_fields__})
+        if self.nesterov and not self.momentum:
+            raise ConfigError(f"algorithm.outer.nesterov=True: needs algorithm.outer.momentum > 0, "
+                              f"not {self.momentum!r}")
 
     @property
     def averages(self) -> bool:
@@ -97,16 +89,11 @@ class FedAvgConfig:
     federate: tuple = (".*",)          # regular expressions over parameter names; the rest stays local
 
     def __post_init__(self):
-        object.__setattr__(self, "schedule", schedule_of(self.every))
-        if self.mode not in MODES:
-            raise ConfigError(f"algorithm.fedavg.mode={self.mode!r}: must be one of {list(MODES)}")
-        if not self.bucket_mb > 0:
-            raise ConfigError(f"algorithm.fedavg.bucket_mb={self.bucket_mb!r}: must be > 0")
-        for pattern in self.federate:
-            try:
-                re.compile(pattern)
-            except (re.error, TypeError) as e:
-                raise ConfigError(f"algorithm.federate: {pattern!r} is not a regular expression ({e})") from None
+        from .schema import check_values
+
+        object.__setattr__(self, "schedule", schedule_of(self.every))  # an FL algorithm needs one
+        check_values({"algorithm.fedavg.mode": self.mode, "algorithm.fedavg.bucket_mb": self.bucket_mb,
+                      "algorithm.federate": list(self.federate)})
 
     @property
     def period(self) -> int:
@@ -139,10 +126,6 @@ class FedAvgConfig:
 
         fedavg = algorithm_cfg.get("fedavg") or {}
         outer = OmegaConf.to_container(algorithm_cfg.outer, resolve=True) if algorithm_cfg.get("outer") else {}
-        unknown = set(outer) - set(OuterConfig.__dataclass_fields__)
-        if unknown:
-            raise ConfigError(f"algorithm.outer.{sorted(unknown)[0]}: not a setting of the outer optimiser "
-                              f"(settings: {sorted(OuterConfig.__dataclass_fields__)})")
         if "betas" in outer:
             outer["betas"] = tuple(outer["betas"]) if isinstance(outer["betas"], (list, tuple)) else outer["betas"]
         every = algorithm_cfg.every
@@ -265,7 +248,7 @@ class Outer:
             make = lambda a: torch.optim.SGD([a], lr=config.lr, momentum=config.momentum,  # noqa: E731
                                              nesterov=config.nesterov)
         else:
-            make = lambda a: torch.optim.Adam([a], lr=config.lr, betas=tuple(config.betas), eps=config.eps)  # noqa: E731
+            make = lambda a: torch.optim.Adam([a], lr=config.lr, betas=tuple(map(float, config.betas)), eps=config.eps)  # noqa: E731
         self.optimizers = [make(a) for a in self.anchors]
         for anchor, optimizer in zip(self.anchors, self.optimizers):
             # the state torch would create at the first step, made now so a checkpoint can load into

@@ -92,7 +92,10 @@ def local_files(path: str) -> list[Path]:
 def _source(data_cfg, split: str) -> str:
     """The key and value that name where a split comes from, for error messages."""
     files = data_cfg.data_files or {}
-    return f"dataset.data_files.{split}={files[split]}" if split in files else f"dataset.path={data_cfg.path} (split {split})"
+    key = "dataset.train_split" if split == data_cfg.train_split else "dataset.eval_split"
+    if split in files:
+        return f"dataset.data_files.{split}={files[split]}"
+    return f"dataset.path={data_cfg.path} ({key}={split})"
 
 
 def _documents(data_cfg, split: str):
@@ -114,7 +117,8 @@ def _documents(data_cfg, split: str):
     except StopIteration:  # datasets' json builder raises it on a file with no line at all
         pass
     except Exception as e:  # unreadable, truncated, corrupt, not JSON, not UTF-8
-        raise ConfigError(f"{source}: cannot read ({type(e).__name__}: {e})") from e
+        via = f" as dataset.path={data_cfg.path}" if data_cfg.data_files else ""  # the builder may be the wrong one
+        raise ConfigError(f"{source}: cannot read{via} ({type(e).__name__}: {e})") from e
     if count == 0:
         raise ConfigError(f"{source}: no documents (an empty file or split)")
 
@@ -238,7 +242,7 @@ def prepare(data_cfg) -> Blocks:
                               ("eval", data_cfg.eval_split, data_cfg.eval_blocks)):
         splits[key] = tokenize_blocks(tokenizer, _documents(data_cfg, split), int(data_cfg.block_size), limit)
         if len(splits[key]) == 0:
-            raise ConfigError(f"dataset.{key}_split={split}: no full block of {data_cfg.block_size} tokens "
+            raise ConfigError(f"dataset.{key}_split={split}: no full block of dataset.block_size={data_cfg.block_size} tokens "
                               f"in {_source(data_cfg, split)} (empty or too small corpus)")
     blocks = Blocks(splits["train"], splits["eval"], len(tokenizer), cache)
     cache.parent.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .errors import WorkerError  # noqa: F401  (also fldp.launch.WorkerError, as before)
+from .errors import ConfigError, WorkerError  # noqa: F401  (also fldp.launch.WorkerError, as before)
 
 # Ports for the rendezvous, below Linux's ephemeral range (32768+) so no outgoing socket holds one.
 _PORT_BASE, _PORT_SPAN = 12000, 20000
@@ -80,7 +80,10 @@ def init_process_group(env: RankEnv, device_type: str, timeout_s: float) -> torc
 
 def free_port(addr: str) -> int:
     with socket.socket() as s:
-        s.bind((addr, 0))
+        try:
+            s.bind((addr, 0))
+        except (OSError, TypeError, OverflowError) as e:  # a name that does not resolve, an address not here
+            raise ConfigError(f"cluster.master_addr={addr!r}: cannot listen there ({e})") from None
         return s.getsockname()[1]
 
 

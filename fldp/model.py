@@ -16,7 +16,8 @@ def llama_config(model_cfg, vocab_size: int | None = None) -> LlamaConfig:
     vocab = model_cfg.vocab_size or vocab_size
     if vocab is None:
         raise ConfigError("model.vocab_size=null and no tokenizer to take it from")
-    rope = {"rope_type": "default", "rope_theta": model_cfg.rope_theta}
+    # transformers' config is strict about floats; Hydra reads `model.rms_norm_eps=1` as an int
+    rope = {"rope_type": "default", "rope_theta": float(model_cfg.rope_theta)}
     if model_cfg.rope_scaling:
         rope.update(dict(model_cfg.rope_scaling))
     return LlamaConfig(
@@ -28,9 +29,9 @@ def llama_config(model_cfg, vocab_size: int | None = None) -> LlamaConfig:
         num_key_value_heads=model_cfg.num_key_value_heads,
         max_position_embeddings=model_cfg.max_position_embeddings,
         rope_parameters=rope,
-        rms_norm_eps=model_cfg.rms_norm_eps,
+        rms_norm_eps=float(model_cfg.rms_norm_eps),
         tie_word_embeddings=model_cfg.tie_word_embeddings,
-        initializer_range=model_cfg.initializer_range,
+        initializer_range=float(model_cfg.initializer_range),
         use_cache=False,
         attn_implementation="sdpa",
     )

@@ -17,7 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from . import CONF, launch, netns, slurm
+from . import CONF, launch, netns, schema, slurm
 from .aggregation import FedAvgConfig
 from .checkpoint import check_mesh, latest
 from .data import prepare
@@ -30,7 +30,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are forked a
 
 
 def validate(cfg: DictConfig):
-    """Fail fast on a config that cannot work; returns the mesh shape."""
+    """Fail fast on a config that cannot work; returns the mesh shape. First the schema (every key
+    known, typed and in range: fldp.schema), then what ties the groups together."""
+    schema.check(cfg)
     shape = mesh_shape(cfg)
     federation = FedAvgConfig.from_algorithm(cfg.algorithm)
     if federation is not None and federation.federate != (".*",):  # every pattern must name a parameter
@@ -38,28 +40,6 @@ def validate(cfg: DictConfig):
 
         model = build_model(llama_config(cfg.model, cfg.model.vocab_size or 8), "meta")
         federation.federated([name for name, _ in model.named_parameters()])
-    t = cfg.trainer
-    checks = [
-        (t.steps is None or (isinstance(t.steps, int) and t.steps >= 1), "trainer.steps", t.steps, "an integer >= 1 or null"),
-        (isinstance(t.batch_size, int) and t.batch_size >= 1, "trainer.batch_size", t.batch_size, "an integer >= 1"),
-        (t.precision in ("fp32", "bf16"), "trainer.precision", t.precision, "fp32 or bf16"),
-        (isinstance(t.eval_every, int) and t.eval_every >= 0, "trainer.eval_every", t.eval_every, "an integer >= 0"),
-        (cfg.optimizer.name in ("adamw", "sgd"), "optimizer.name", cfg.optimizer.name, "adamw or sgd"),
-        (0 <= cfg.optimizer.warmup < 1, "optimizer.warmup", cfg.optimizer.warmup, "a fraction in [0, 1)"),
-        (cfg.model.init_device in ("cpu", "meta"), "model.init_device", cfg.model.init_device, "cpu or meta"),
-        (cfg.topology.device in ("cpu", "cuda"), "topology.device", cfg.topology.device, "cpu or cuda"),
-        (cfg.wandb.mode in ("offline", "online", "disabled"), "wandb.mode", cfg.wandb.mode, "offline, online or disabled"),
-        (isinstance(t.checkpoint_every, int) and t.checkpoint_every >= 0, "trainer.checkpoint_every", t.checkpoint_every, "an integer >= 0"),
-        (t.resume in (None, "auto"), "trainer.resume", t.resume, "null or auto"),
-        (t.keep_last is None or (isinstance(t.keep_last, int) and t.keep_last >= 0), "trainer.keep_last",
-         t.keep_last, "null or an integer >= 0"),
-        (isinstance(t.async_save, bool), "trainer.async_save", t.async_save, "true or false"),
-        (isinstance(cfg.fsdp.reshard_root_after_forward, bool), "fsdp.reshard_root_after_forward",
-         cfg.fsdp.reshard_root_after_forward, "true or false"),
-    ]
-    for ok, key, value, expected in checks:
-        if not ok:
-            raise ConfigError(f"{key}={value!r}: must be {expected}")
     if cfg.topology.device == "cuda" and not slurm.submits(cfg) and not torch.cuda.is_available():
         raise ConfigError(f"topology.device=cuda (topology={cfg.topology.name}): no CUDA device here")
     # emulated nodes: the link's keys, root, `ip` and `tc`
@@ -91,6 +71,16 @@ def check_vocab(cfg, blocks) -> None:
                           f"model.vocab_size={cfg.model.vocab_size}: token ids would overflow the embedding")
 
 
+def check_blocks(cfg, blocks, world: int) -> None:
+    """One batch per rank in each split, or the workers would fail on it (trainer.total_steps, evaluate)."""
+    d, batch = cfg.dataset, cfg.trainer.batch_size
+    for split, n, key in (("training", len(blocks.train), "train_blocks"), ("held-out", len(blocks.eval), "eval_blocks")):
+        if n // world < batch:
+            raise ConfigError(f"dataset.{key}={d[key]}: {n} {split} blocks of dataset.block_size={d.block_size} "
+                              f"tokens are too few for trainer.batch_size={batch} on each of {world} ranks "
+                              f"(need {batch * world})")
+
+
 def _rank(cfg, run_dir, blocks, device):
     from .trainer import train  # transformers: imported after validation, so bad configs fail fast
 
@@ -108,6 +98,7 @@ def run(cfg: DictConfig, run_dir: str) -> dict | None:
         check_run_dir(cfg, shape, run_dir)
         blocks = prepare(cfg.dataset)
         check_vocab(cfg, blocks)
+        check_blocks(cfg, blocks, shape.world)
         from . import trainer  # noqa: F401  (import once here, not in each of the forked workers)
         log.info("%s on %s: mesh %s (federation x replicate x shard), %d local workers, records in %s",
                  cfg.algorithm.name, cfg.topology.name, shape, shape.world, run_dir)
@@ -125,6 +116,7 @@ def run(cfg: DictConfig, run_dir: str) -> dict | None:
     if env.rank != 0:
         blocks = prepare(cfg.dataset)
     check_vocab(cfg, blocks)
+    check_blocks(cfg, blocks, shape.world)
     shared = [run_dir]
     dist.broadcast_object_list(shared, src=0)  # ranks may disagree on Hydra's timestamped dir
     _rank(cfg, shared[0], blocks, device)

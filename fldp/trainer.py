@@ -52,7 +52,8 @@ class PhaseTimer:
 
 def build_optimizer(model, opt_cfg):
     if opt_cfg.name == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=opt_cfg.lr, betas=tuple(opt_cfg.betas),
+        # torch wants float betas; Hydra reads `optimizer.betas=[0,0]` as ints
+        return torch.optim.AdamW(model.parameters(), lr=opt_cfg.lr, betas=tuple(map(float, opt_cfg.betas)),
                                  weight_decay=opt_cfg.weight_decay)
     if opt_cfg.name == "sgd":
         return torch.optim.SGD(model.parameters(), lr=opt_cfg.lr, momentum=opt_cfg.momentum,
