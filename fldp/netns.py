@@ -64,7 +64,7 @@ def link_of(topology) -> Link:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
             raise ConfigError(f"{key}.{field}={value!r}: must be a number {'> 0' if field == 'gbit_s' else '>= 0'}")
     if tier.get("link") != "node":
-        raise ConfigError(f"{key}.link={tier.get('link')!r}: must be 'node' with emulation=netns "
+        raise ConfigError(f"{key}.link={tier.get('link')!r}: must be 'node' with topology.emulation=netns "
                           "(the rate is each node's link, shared by its ranks)")
     return Link(tier["gbit_s"] * 1e3, float(tier.get("delay_ms", 0)))
 

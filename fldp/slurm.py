@@ -44,6 +44,9 @@ def run_rank(cfg, run_dir: str):
         os.environ["MASTER_ADDR"] = str(cfg.cluster.master_addr)
     if cfg.cluster.master_port:
         os.environ["MASTER_PORT"] = str(cfg.cluster.master_port)
+    if os.environ.get("TORCH_NCCL_DUMP_ON_TIMEOUT") == "1":  # the flight recorder's dumps: in the run dir
+        Path(run_dir, "flight_recorder").mkdir(parents=True, exist_ok=True)
+        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(Path(run_dir, "flight_recorder", "rank_")))
     if not cfg.cluster.get("max_requeue"):
         return run(cfg, run_dir)
     cfg.trainer.resume = "auto"

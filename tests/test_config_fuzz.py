@@ -299,6 +299,10 @@ def culprits(cfg: dict, changed: set) -> set:
     slurm = cfg["cluster"].get("launcher") == "slurm"
     if t["device"] == "cuda" and not slurm and not torch.cuda.is_available():
         bad.add("topology.device")
+    network = t.get("network") or []
+    if t.get("emulation") == "netns" and not (network and isinstance(network[-1], dict)
+                                               and network[-1].get("link") == "node"):
+        bad |= {"topology.emulation", "topology.network"}  # emulated nodes: the last tier is each node's link
     for key, spec in schema.KEYS.items():   # a variant's keys: needed in it, refused outside it
         if spec.when:
             section, _, leaf = key.rpartition(".")

@@ -140,7 +140,7 @@ def test_leonardo_dry_run_renders_the_paper_jobs(tmp_path):
         assert "setting: the paper's (paper.md, Section 5)" in text
         assert ("FedAvg every 8 steps" in text) == algorithm.startswith("fl_")
         assert "export NCCL_IB_DISABLE=0" in text and "srun " in text
-        assert "TORCH_NCCL_DUMP_ON_TIMEOUT=1" in text and f"{tmp_path}" in text.split("TORCH_NCCL_DEBUG_INFO_TEMP_FILE=")[1]
+        assert "TORCH_NCCL_DUMP_ON_TIMEOUT=1" in text
     assert seen == set(LEONARDO)
     assert not list(tmp_path.rglob("metrics.jsonl"))
 
