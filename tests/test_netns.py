@@ -87,7 +87,7 @@ def at_two_rates(tmp_path_factory):
 
 
 @needs_netns
-@pytest.mark.limit_s(120)
+@pytest.mark.timeout(120)
 def test_traffic_between_nodes_crosses_the_capped_link_and_scales_with_its_rate(at_two_rates):
     slow, fast = at_two_rates
     for r, mbit in ((slow, 40), (fast, 80)):
@@ -100,7 +100,7 @@ def test_traffic_between_nodes_crosses_the_capped_link_and_scales_with_its_rate(
 
 
 @needs_netns
-@pytest.mark.limit_s(120)
+@pytest.mark.timeout(120)
 def test_ranks_of_one_node_do_not_cross_the_link(at_two_rates):
     for r in at_two_rates:
         assert r["tx_inside"] < 64 * 1024, r  # the barriers' bytes, not the 4 MiB all-reduce
@@ -115,7 +115,7 @@ def _fldp_namespaces(pid: int) -> list[str]:
 
 
 @needs_netns
-@pytest.mark.limit_s(240)
+@pytest.mark.timeout(240)
 def test_fsdp_pays_the_link_every_step_fl_fsdp_only_when_it_aggregates(tmp_path):
     """The issue's "done when": both run on netns_2x4, record the network, FSDP's steps are clearly
     slower than FL+FSDP's steps without aggregation, and no namespace is left."""
@@ -141,7 +141,7 @@ def test_fsdp_pays_the_link_every_step_fl_fsdp_only_when_it_aggregates(tmp_path)
 
 
 @needs_netns
-@pytest.mark.limit_s(240)
+@pytest.mark.timeout(240)
 def test_a_sigkilled_launchers_namespaces_are_removed_by_the_next_start(tmp_path):
     run_dir = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, "-m", "fldp.train", "algorithm=fl_fsdp", "topology=netns_2x4",
@@ -177,7 +177,7 @@ run_local(sleep, (), 2, "cpu", cl, netns.Network(2, 1, netns.Link(10)))
 
 
 @needs_netns
-@pytest.mark.limit_s(60)
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_sigterm_or_ctrl_c_of_the_launcher_removes_its_namespaces(tmp_path, sig):
     proc = subprocess.Popen([sys.executable, "-c", _SLEEPER], cwd=tmp_path,
