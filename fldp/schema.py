@@ -5,8 +5,8 @@ It resolves every interpolation (`${oc.env:...}`, `${topology...}`) and refuses,
 value and what would be valid:
 - a key the schema does not know, also one added with `+` (`+trainer.step=4`), with the nearest
   known key; group appends (`+experiment=...`) add known keys only and pass;
-- a key that is missing, or belongs to another variant of its group (`cluster.dry_run` without
-  `cluster.launcher=slurm`);
+- a key that is missing, or belongs to another variant of its group (`cluster.dry_run` on
+  `cluster=local`, which has no `cluster.launcher`);
 - a value of the wrong type or out of range (`seed=abc`, `optimizer.lr=-1`);
 - a model whose shape cannot work (RULES: heads dividing the hidden size, ...).
 Checks that need more than one group's keys stay where they were (`mesh_shape`, `FedAvgConfig`).
