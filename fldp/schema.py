@@ -5,8 +5,8 @@ It resolves every interpolation (`${oc.env:...}`, `${topology...}`) and refuses,
 value and what would be valid:
 - a key the schema does not know, also one added with `+` (`+trainer.step=4`), with the nearest
   known key; group appends (`+experiment=...`) add known keys only and pass;
-- a key that is missing, or belongs to another variant of its group (`cluster.dry_run` without
-  `cluster.launcher=slurm`);
+- a key that is missing, or belongs to another variant of its group (`cluster.dry_run` on
+  `cluster=local`, which has no `cluster.launcher`);
 - a value of the wrong type or out of range (`seed=abc`, `optimizer.lr=-1`);
 - a model whose shape cannot work (RULES: heads dividing the hidden size, ...).
 Checks that need more than one group's keys stay where they were (`mesh_shape`, `FedAvgConfig`).
@@ -33,13 +33,15 @@ from .mesh import DIMS
 class Spec:
     """What one key accepts. `what` says it in words (error messages). `null`: null is valid too;
     `optional`: the key may be absent (variants of its group lack it); `when` = (key, values): the key
-    is a setting only where that other key has one of those values, and needed there unless optional
-    (the SLURM clusters' keys: set on cluster=local, they would silently do nothing)."""
+    is a setting only where that other key has one of those values (the SLURM clusters' keys: set on
+    cluster=local, they would silently do nothing), and needed there (or where `needed_when` holds)
+    unless optional."""
     what: str
     test: Callable[[Any], bool] = lambda v: True   # containers: their parts are checked instead
     null: bool = False
     optional: bool = False
     when: tuple | None = None
+    needed_when: tuple | None = None   # (key, values) where it is needed, if narrower than `when`
     kind: str = "custom"       # int, num, bool, text, choice, section, list, map: what a fuzzer draws
     bounds: tuple = ()         # int, num: (ge, gt, le, lt)
     choices: tuple = ()        # choice
@@ -145,7 +147,9 @@ def _schedule(v) -> bool:
 
 SCALAR = Spec("a string, number or boolean", lambda v: isinstance(v, (str, int, float)))
 MESH = Section(fields={d: Int(ge=1) for d in DIMS})
-SLURM = ("cluster.launcher", ("slurm",))   # `when` of the keys only a SLURM cluster has
+# The keys of a SLURM cluster config (conf/cluster/slurm.yaml, leonardo.yaml): allowed in one, also
+# forked locally with cluster.launcher=local, needed when it submits; refused on cluster=local.
+SLURM = dict(when=("cluster.launcher", ("slurm", "local")), needed_when=("cluster.launcher", ("slurm",)))
 FEDAVG = ("algorithm.aggregation", ("fedavg",))   # ... only an aggregating algorithm has
 # topology.layouts: one (F, R, S) per set of dimensions an algorithm can have (fldp_layout's keys)
 LAYOUTS = ("shard", "replicate_shard", "federation_shard", "federation_replicate_shard")
@@ -231,24 +235,24 @@ KEYS: dict[str, Spec] = {
     "cluster.master_port": Int(ge=1, le=65535, null=True),
     "cluster.timeout_s": Num(gt=0),
     "cluster.threads_per_worker": Int(ge=1),
-    "cluster.launcher": Choice("slurm", optional=True),   # absent: fork locally (conf/cluster/local.yaml)
-    "cluster.dry_run": Bool(when=SLURM),
-    "cluster.wait": Bool(when=SLURM),
-    "cluster.partition": Text(null=True, when=SLURM),
-    "cluster.account": Text(null=True, when=SLURM),
-    "cluster.qos": Text(null=True, when=SLURM),
-    "cluster.gpus_per_node": Int(ge=0, null=True, when=SLURM),
-    "cluster.cpus_per_task": Int(ge=1, when=SLURM),
-    "cluster.mem_gb": Num(gt=0, null=True, when=SLURM),
-    "cluster.exclusive": Bool(when=SLURM),
-    "cluster.time_min": Int(ge=1, when=SLURM),
-    "cluster.setup": ListOf("a list of shell lines", item=Text(), when=SLURM),
-    "cluster.sbatch": MapOf("a mapping of sbatch option to value", value=SCALAR, when=SLURM),
-    "cluster.folder": Text(null=True, when=SLURM),
-    "cluster.poll_s": Num(gt=0, when=SLURM),
-    "cluster.max_requeue": Int(ge=0, optional=True, when=SLURM),          # ops: requeue on time limit
-    "cluster.signal_s": Int(ge=0, le=65535, optional=True, when=SLURM),   # ops: sbatch --signal=USR2@N
-    "cluster.node_local_dirs": ListOf("a list of directories", item=Text(), optional=True, when=SLURM),  # preflight
+    "cluster.launcher": Choice("slurm", "local", optional=True),   # absent: conf/cluster/local.yaml
+    "cluster.dry_run": Bool(**SLURM),
+    "cluster.wait": Bool(**SLURM),
+    "cluster.partition": Text(null=True, **SLURM),
+    "cluster.account": Text(null=True, **SLURM),
+    "cluster.qos": Text(null=True, **SLURM),
+    "cluster.gpus_per_node": Int(ge=0, null=True, **SLURM),
+    "cluster.cpus_per_task": Int(ge=1, **SLURM),
+    "cluster.mem_gb": Num(gt=0, null=True, **SLURM),
+    "cluster.exclusive": Bool(**SLURM),
+    "cluster.time_min": Int(ge=1, **SLURM),
+    "cluster.setup": ListOf("a list of shell lines", item=Text(), **SLURM),
+    "cluster.sbatch": MapOf("a mapping of sbatch option to value", value=SCALAR, **SLURM),
+    "cluster.folder": Text(null=True, **SLURM),
+    "cluster.poll_s": Num(gt=0, **SLURM),
+    "cluster.max_requeue": Int(ge=0, optional=True, **SLURM),          # ops: requeue on time limit
+    "cluster.signal_s": Int(ge=0, le=65535, optional=True, **SLURM),   # ops: sbatch --signal=USR2@N
+    "cluster.node_local_dirs": ListOf("a list of directories", item=Text(), optional=True, **SLURM),  # preflight
     # conf/config.yaml
     "mesh.federation": Int(ge=1),
     "mesh.replicate": Int(ge=1),
@@ -407,7 +411,7 @@ class _Check:
             if name not in value and not sub.optional:
                 if sub.when is None:
                     self.missing(_join(key, name), sub)
-                elif self.holds(sub.when):
+                elif self.holds(sub.needed_when or sub.when):
                     needed.append((_join(key, name), sub))
         for name, v in value.items():
             sub = spec.fields.get(name)

@@ -41,7 +41,9 @@ def validate(cfg: DictConfig):
         model = build_model(llama_config(cfg.model, cfg.model.vocab_size or 8), "meta")
         federation.federated([name for name, _ in model.named_parameters()])
     if cfg.topology.device == "cuda" and not slurm.submits(cfg) and not torch.cuda.is_available():
-        raise ConfigError(f"topology.device=cuda (topology={cfg.topology.name}): no CUDA device here")
+        launcher = f", cluster.launcher={cfg.cluster.launcher}" if cfg.cluster.get("launcher") else ""
+        raise ConfigError(f"topology.device=cuda (topology={cfg.topology.name}): no CUDA device here, where "
+                          f"cluster={cfg.cluster.name}{launcher} runs the workers")
     # emulated nodes: the link's keys, root, `ip` and `tc`
     netns.check(cfg, forks_locally=launch.from_environment() is None and not slurm.submits(cfg))
     return shape

@@ -165,6 +165,7 @@ class Target:
     spec: schema.Spec
     present: bool
     null: bool = False     # Hydra cannot delete a key whose value is null
+    mapping: bool = False  # Hydra merges a mapping into a mapping: drawn values replace it only if not one
 
 
 def targets(spec: schema.Section, value: dict, name: str = "", over: str = ""):
@@ -177,7 +178,7 @@ def targets(spec: schema.Section, value: dict, name: str = "", over: str = ""):
                 yield Target(n, o, sub, False)
             continue
         v = value[field]
-        yield Target(n, o, sub, True, v is None)
+        yield Target(n, o, sub, True, v is None, isinstance(v, dict))
         if isinstance(sub, schema.Section) and isinstance(v, dict):
             yield from targets(sub, v, n, o)
         elif isinstance(sub, schema.ListOf) and isinstance(sub.item, schema.Section) and isinstance(v, list):
@@ -218,6 +219,8 @@ def key_mutation(draw, base: tuple, skip=frozenset()):
         tuple(f"{s}." for s in skip)) and not t.name.startswith(MODEL_SHAPE)]
     t = draw(st.sampled_from(pool))
     valid, invalid = samples(t.name, t.spec)
+    if t.mapping:
+        valid, invalid = ([v for v in vs if not isinstance(v, dict)] for vs in (valid, invalid))
     if t.name in INVALID_ONLY or t.name.startswith(f"topology.layouts.{layout_of(plain_base(base))}."):
         valid = []
     # valid values as often as all the ways to be wrong together, so that whole configs pass often
@@ -298,7 +301,7 @@ def culprits(cfg: dict, changed: set) -> set:
             bad.add("algorithm.federate")
     slurm = cfg["cluster"].get("launcher") == "slurm"
     if t["device"] == "cuda" and not slurm and not torch.cuda.is_available():
-        bad.add("topology.device")
+        bad |= {"topology.device", "cluster.launcher"}
     network = t.get("network") or []
     if t.get("emulation") == "netns" and not (network and isinstance(network[-1], dict)
                                                and network[-1].get("link") == "node"):
@@ -309,7 +312,8 @@ def culprits(cfg: dict, changed: set) -> set:
             holds = schema._Check(cfg, {}).holds(spec.when)
             parent = schema._Check(cfg, {}).lookup(section)
             present = isinstance(parent, dict) and leaf in parent
-            if (present and not holds) or (not present and holds and not spec.optional):
+            needed = schema._Check(cfg, {}).holds(spec.needed_when or spec.when) and not spec.optional
+            if (present and not holds) or (not present and needed):
                 bad |= {key, spec.when[0]}
     # the changed keys among them, or holding them, or held by them
     return {c for c in changed if any(b == c or b.startswith(c + ".") or c.startswith(b + ".") for b in bad)}
