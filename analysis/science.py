@@ -1,0 +1,390 @@
+"""The study's report: which of the paper's claims survive controls, each verdict from a 95% interval.
+
+    python -m analysis.science RUNS... --out DIR [--elapsed SECONDS]
+
+Reads any runs (experiments/science.sh makes them) and sorts each by what it is, from its own
+records: precision, learning rate, A, mesh, per-update batch, steps, network. The paper-shaped runs
+(the largest world, the topology's layout for the algorithm) at the most common learning rate and
+step count are the main comparison; smaller FSDP/HSDP meshes are the batch controls; runs on an
+emulated network give the times. Comparisons pair runs by seed (analysis/stats.py)."""
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+import sys
+from datetime import date
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+import seaborn as sns  # noqa: E402
+
+from . import paper as paper_values  # noqa: E402
+from .discover import collect  # noqa: E402
+from .records import Run  # noqa: E402
+from .render import markdown  # noqa: E402
+from .stats import Ratio, mean_interval, paired_ratio  # noqa: E402
+from .tables import NAMES, ORDER  # noqa: E402
+
+# The paper's perplexity findings: (numerator, denominator) of an eval-perplexity ratio the paper
+# finds above 1 (Table 3), i.e. the denominator reaches the lower perplexity.
+PPL_FINDINGS = [("hsdp", "fl_hsdp"), ("fsdp", "fl_hsdp"), ("fsdp", "fl_fsdp"), ("fl_fsdp", "fl_hsdp"),
+                ("hsdp", "fsdp")]
+TIME_FINDINGS = [("fsdp", "fl_fsdp"), ("hsdp", "fl_fsdp"), ("fl_hsdp", "fl_fsdp")]
+
+
+def describe(run: Run) -> dict:
+    s = run.summary
+    group = s["replicate"] * s["shard"]
+    return {
+        "run": run.name, "algorithm": run.algorithm, "seed": run.seed, "precision": s["precision"],
+        "reduce_dtype": (s.get("outer") or {}).get("reduce_dtype") or "-",
+        "lr": run.config.get("optimizer.lr", math.nan), "every": s.get("every") or 0,
+        "F": s["federation"], "R": s["replicate"], "S": s["shard"], "world": s["world_size"],
+        "update_batch": group * s["batch_size"],  # sequences behind one optimiser step of one group
+        "steps": s["steps"], "network": s.get("network", "loopback"),
+        "eval_perplexity": s["eval_perplexity"], "train_time_s": s["train_time_s"],
+        "loss": list(run.steps["loss"]),
+    }
+
+
+def _mode(col: pd.Series):
+    return col.mode().iloc[0]
+
+
+class Study:
+    """The runs as a frame, and the base setting the controls vary: the most common learning rate,
+    step count and A among the paper-shaped runs."""
+
+    def __init__(self, runs: list[Run]):
+        df = pd.DataFrame([describe(r) for r in runs])
+        self.world = int(df["world"].max())
+        df["paper_mesh"] = df["world"] == self.world
+        main = df[df["paper_mesh"]]
+        self.lr = float(_mode(main["lr"]))
+        self.steps = int(_mode(main["steps"]))
+        fl = main[main["F"] > 1]
+        self.every = int(_mode(fl["every"])) if len(fl) else 0
+        self.df = df
+        self.notes: list[str] = []
+
+    def select(self, algorithm: str, *, precision="fp32", lr=None, every=None, steps=None, reduce_dtype="-",
+               network=None, paper_mesh=True, update_batch=None) -> pd.DataFrame:
+        """One configuration's runs, one per seed (the first when a seed was run twice)."""
+        d = self.df
+        keep = (d["algorithm"] == algorithm) & (d["precision"] == precision) & (d["paper_mesh"] == paper_mesh)
+        keep &= d["lr"] == (self.lr if lr is None else lr)
+        keep &= d["steps"] == (self.steps if steps is None else steps)
+        if every is not None or (d.loc[d["algorithm"] == algorithm, "F"] > 1).any():  # FSDP/HSDP have no A
+            keep &= d["every"] == (self.every if every is None else every)
+        if reduce_dtype is not None:
+            keep &= d["reduce_dtype"] == reduce_dtype
+        if network is not None:
+            keep &= d["network"] == network
+        if update_batch is not None:
+            keep &= d["update_batch"] == update_batch
+        sel = d[keep]
+        if sel["seed"].duplicated().any():
+            self.notes.append(f"{NAMES[algorithm]} ({precision}, lr {lr or self.lr}): a seed ran twice "
+                              f"(e.g. on two networks); the first run of each seed is used")
+        return sel.drop_duplicates("seed").set_index("seed")
+
+    def ratio(self, a: pd.DataFrame, b: pd.DataFrame, metric: str = "eval_perplexity") -> Ratio:
+        return paired_ratio(a[metric], b[metric])
+
+
+def _verdict(r: Ratio) -> str:
+    """For a ratio the paper finds above 1."""
+    return {"n/a": "untested (fewer than 2 seeds)", ">": "reproduced", "<": "opposite (interval below 1)",
+            "tie": "tie: not reproduced"}[r.verdict]
+
+
+def _name(a: str) -> str:
+    return NAMES.get(a, a)
+
+
+def best_lrs(st: Study) -> dict[str, float]:
+    """Each algorithm's learning rate with the lowest mean log eval perplexity (fp32, paper mesh)."""
+    best = {}
+    for algo in ORDER:
+        d = st.df[(st.df["algorithm"] == algo) & st.df["paper_mesh"] & (st.df["precision"] == "fp32")
+                  & (st.df["steps"] == st.steps) & (st.df["reduce_dtype"] == "-")]
+        d = d[(d["F"] == 1) | (d["every"] == st.every)]
+        if len(d):
+            logs = d.groupby("lr")["eval_perplexity"].apply(lambda v: v.map(math.log).mean())
+            best[algo] = float(logs.idxmin())
+    return best
+
+
+def findings(st: Study, paper: dict) -> pd.DataFrame:
+    """The paper's perplexity findings in each setting, and its time findings on the timed network."""
+    t3 = paper["table3"]
+    col = t3["columns"].index("eval_perplexity")
+    best = best_lrs(st)
+    settings = [("fp32, shared lr", "fp32", {}), ("bf16, shared lr", "bf16", {}),
+                ("fp32, each one's best lr", "fp32", best)]
+    rows = []
+    for num, den in PPL_FINDINGS:
+        paper_ratio = t3["rows"][num][col] / t3["rows"][den][col]
+        claim = (f"{_name(den)} reaches a lower eval perplexity than {_name(num)}" if num != "hsdp" or den != "fsdp"
+                 else "HSDP ends with a higher eval perplexity than FSDP")
+        for setting, precision, lrs in settings:
+            r = st.ratio(st.select(num, precision=precision, lr=lrs.get(num)),
+                         st.select(den, precision=precision, lr=lrs.get(den)))
+            rows.append({"finding": claim, "paper": f"{paper_ratio:.2f}", "setting": setting,
+                         "ratio": f"{_name(num)} / {_name(den)}", "runs [95% CI]": r.text(), "seeds": r.seeds,
+                         "verdict": _verdict(r)})
+    timed = st.df[st.df["network"] != "loopback"]
+    network = _mode(timed["network"]) if len(timed) else "loopback"
+    tcol = t3["columns"].index("train_time_s")
+    for num, den in TIME_FINDINGS:
+        paper_ratio = t3["rows"][num][tcol] / t3["rows"][den][tcol]
+        r = st.ratio(st.select(num, network=network), st.select(den, network=network), "train_time_s")
+        rows.append({"finding": f"{_name(den)} trains faster than {_name(num)}", "paper": f"{paper_ratio:.2f}",
+                     "setting": f"fp32, shared lr, {network} network", "ratio": f"{_name(num)} / {_name(den)} train time",
+                     "runs [95% CI]": r.text(), "seeds": r.seeds, "verdict": _verdict(r)})
+    return pd.DataFrame(rows)
+
+
+def drift(st: Study) -> pd.DataFrame:
+    """How far HSDP is from FSDP (the same mathematics) in each precision, and what FedAvg's
+    accumulation dtype changes in bf16."""
+    rows = []
+    for precision in ("fp32", "bf16"):
+        f, h = st.select("fsdp", precision=precision), st.select("hsdp", precision=precision)
+        seeds = sorted(set(f.index) & set(h.index))
+        diffs = [abs(x - y) for s in seeds for x, y in zip(f.loc[s, "loss"], h.loc[s, "loss"])]
+        last = [abs(f.loc[s, "loss"][-1] - h.loc[s, "loss"][-1]) for s in seeds]
+        r = st.ratio(h, f)
+        rows.append({"comparison": f"HSDP vs FSDP, {precision}", "seeds": len(seeds),
+                     "max abs train-loss difference (any step)": f"{max(diffs):.2e}" if diffs else "-",
+                     "mean abs train-loss difference": f"{sum(diffs) / len(diffs):.2e}" if diffs else "-",
+                     "at the last step (mean)": f"{sum(last) / len(last):.2e}" if last else "-",
+                     "eval perplexity ratio [95% CI]": r.text(4), "verdict": _tie_text(r)})
+    for algo in ("fl_fsdp", "fl_hsdp"):
+        b, f32 = st.select(algo, precision="bf16"), st.select(algo, precision="bf16", reduce_dtype="fp32")
+        seeds = sorted(set(b.index) & set(f32.index))
+        diffs = [abs(x - y) for s in seeds for x, y in zip(b.loc[s, "loss"], f32.loc[s, "loss"])]
+        r = st.ratio(b, f32)
+        rows.append({"comparison": f"{_name(algo)} bf16: FedAvg summed in bf16 vs in fp32 (reduce_dtype)",
+                     "seeds": len(seeds),
+                     "max abs train-loss difference (any step)": f"{max(diffs):.2e}" if diffs else "-",
+                     "mean abs train-loss difference": f"{sum(diffs) / len(diffs):.2e}" if diffs else "-",
+                     "at the last step (mean)": "-", "eval perplexity ratio [95% CI]": r.text(4),
+                     "verdict": _tie_text(r)})
+    return pd.DataFrame(rows)
+
+
+def _tie_text(r: Ratio) -> str:
+    return {"n/a": "untested (fewer than 2 seeds)", "tie": "tie (interval within 1% of 1)",
+            "<": "first lower", ">": "first higher"}[r.verdict]
+
+
+def batch_control(st: Study) -> pd.DataFrame:
+    """Each FL algorithm against FSDP/HSDP trained on one group's per-update batch: for as many
+    steps (batch-matched), and for F times as many (token-matched: the federation's tokens)."""
+    rows = []
+    for fl, control_algo in (("fl_fsdp", "fsdp"), ("fl_hsdp", "hsdp")):
+        mine = st.select(fl)
+        if not len(mine):
+            continue
+        F, batch = int(mine["F"].iloc[0]), int(mine["update_batch"].iloc[0])
+        full = st.select(control_algo)
+        variants = [(f"{_name(control_algo)}, full batch ({int(full['update_batch'].iloc[0]) if len(full) else '?'} "
+                     f"sequences), {st.steps} steps (the paper's comparison)", full)]
+        for steps, what in ((st.steps, "batch-matched"), (st.steps * F, "token-matched")):
+            # any FSDP/HSDP on a smaller mesh with one group's batch: the same mathematics either way
+            c = pd.concat([st.select(a, paper_mesh=False, steps=steps, update_batch=batch) for a in ("fsdp", "hsdp")])
+            c = c[~c.index.duplicated()]
+            variants.append((f"{what}: one group's batch ({batch} sequences), {steps} steps", c))
+        for label, c in variants:
+            r = st.ratio(c, mine)
+            rows.append({"FL run": f"{_name(fl)} (F = {F}, {batch} sequences per group update)", "control": label,
+                         "control / FL eval perplexity [95% CI]": r.text(), "seeds": r.seeds,
+                         "verdict": {"n/a": "untested (fewer than 2 seeds)", "tie": "tie",
+                                     ">": "FL lower", "<": "control lower"}[r.verdict]})
+    return pd.DataFrame(rows)
+
+
+def lr_table(st: Study) -> tuple[pd.DataFrame, dict[str, float]]:
+    best = best_lrs(st)
+    lrs = sorted(st.df.loc[st.df["paper_mesh"] & (st.df["precision"] == "fp32"), "lr"].unique())
+    rows = []
+    for algo in ORDER:
+        row = {"algorithm": _name(algo)}
+        for lr in lrs:
+            v = st.select(algo, lr=lr)["eval_perplexity"]
+            m, lo, hi = mean_interval(v)
+            row[f"lr {lr:g}"] = ("-" if not len(v) else f"{m:.1f}" if len(v) < 2
+                                 else f"{m:.1f} [{lo:.1f}, {hi:.1f}] (n={len(v)})")
+        row["best lr"] = f"{best[algo]:g}" if algo in best else "-"
+        rows.append(row)
+    return pd.DataFrame(rows), best
+
+
+def frontier(st: Study) -> tuple[pd.DataFrame, str]:
+    """Eval perplexity against training time for every A and F on the timed network (loopback
+    when no run used another)."""
+    timed = st.df[st.df["network"] != "loopback"]
+    network = _mode(timed["network"]) if len(timed) else "loopback"
+    d = st.df[(st.df["network"] == network) & st.df["paper_mesh"] & (st.df["precision"] == "fp32")
+              & (st.df["lr"] == st.lr) & (st.df["steps"] == st.steps)]
+    # every point on the same seeds (the ones all of them ran), so the points differ only in A and F
+    common = set.intersection(*(set(g["seed"]) for _, g in d.groupby(["algorithm", "F", "every"]))) if len(d) else set()
+    d = d[d["seed"].isin(common)]
+    rows = []
+    for (algo, F, every), g in d.groupby(["algorithm", "F", "every"]):
+        g = g.drop_duplicates("seed")
+        m, lo, hi = mean_interval(g["eval_perplexity"])
+        rows.append({"algorithm": _name(algo), "F": F, "A": every or "-", "seeds": len(g),
+                     "train time [s]": g["train_time_s"].mean(), "eval perplexity": m,
+                     "ppl low": lo, "ppl high": hi})
+    out = pd.DataFrame(rows)
+    if len(out):
+        out = out.sort_values(["algorithm", "A"], key=lambda c: c.map(str) if c.name == "algorithm" else
+                              c.map(lambda v: -1 if v == "-" else v), ignore_index=True)
+    return out, network
+
+
+def frontier_figure(table: pd.DataFrame, network: str):
+    sns.set_theme(style="whitegrid", context="paper")
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), layout="constrained")
+    palette = dict(zip([NAMES[a] for a in ORDER], sns.color_palette(n_colors=len(ORDER))))
+    for (algo, F), g in table.groupby(["algorithm", "F"], sort=False):
+        err = None
+        if g["seeds"].min() > 1:
+            err = [g["eval perplexity"] - g["ppl low"], g["ppl high"] - g["eval perplexity"]]
+        label = f"{algo} (F = {F})" if F > 1 else algo
+        ax.errorbar(g["train time [s]"], g["eval perplexity"], yerr=err, marker="o", capsize=3,
+                    color=palette.get(algo), label=label, linestyle="-" if len(g) > 1 else "none")
+        for _, r in g.iterrows():
+            if r["A"] != "-":
+                ax.annotate(f"A={r['A']}", (r["train time [s]"], r["eval perplexity"]), fontsize=7,
+                            xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel(f"training time [s] (sum of step times, {network} network)")
+    ax.set_ylabel("eval perplexity")
+    seeds = int(table["seeds"].max()) if len(table) else 0
+    ax.set_title(f"Perplexity against time, A and F ({seeds} seed{'s' if seeds > 1 else ''} per point"
+                 + (", bars: 95% t-interval)" if seeds > 1 else ")"))
+    ax.legend()
+    return fig
+
+
+def drift_figure(st: Study):
+    sns.set_theme(style="whitegrid", context="paper")
+    fig, ax = plt.subplots(figsize=(6.4, 3.6), layout="constrained")
+    for precision, color in (("fp32", "C0"), ("bf16", "C3")):
+        f, h = st.select("fsdp", precision=precision), st.select("hsdp", precision=precision)
+        for i, s in enumerate(sorted(set(f.index) & set(h.index))):
+            d = [max(abs(x - y), 1e-9) for x, y in zip(f.loc[s, "loss"], h.loc[s, "loss"])]
+            ax.plot(range(1, len(d) + 1), d, color=color, alpha=0.6, label=precision if i == 0 else None)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("|train loss HSDP - FSDP| (floor 1e-9)")
+    ax.set_title("HSDP against FSDP, step by step, one line per seed")
+    ax.legend()
+    return fig
+
+
+def report(st: Study, paper: dict, out: Path, command: str, elapsed: float | None) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    found = findings(st, paper)
+    dr = drift(st)
+    bc = batch_control(st)
+    lrt, best = lr_table(st)
+    fr, network = frontier(st)
+    for name, df in (("findings", found), ("drift", dr), ("batch_control", bc), ("lr", lrt), ("frontier", fr)):
+        df.to_csv(out / f"{name}.csv", index=False)
+    figs = []
+    if len(fr):
+        frontier_figure(fr, network).savefig(out / "frontier.png", dpi=150)
+        figs.append("frontier")
+    drift_figure(st).savefig(out / "drift.png", dpi=150)
+    plt.close("all")
+    seeds = st.df.groupby("algorithm")["seed"].nunique()
+    bf16 = dr[dr["comparison"] == "HSDP vs FSDP, bf16"]
+    paper_gap = paper["table3"]["rows"]["hsdp"][2] / paper["table3"]["rows"]["fsdp"][2]
+    bf16_r = st.ratio(st.select("hsdp", precision="bf16"), st.select("fsdp", precision="bf16"))
+    gap = ("untested" if bf16_r.seeds < 2 else
+           f"no: HSDP / FSDP in bf16 is {bf16_r.text(4)}, the paper's {paper_gap:.2f} lies outside it"
+           if not (bf16_r.low <= paper_gap <= bf16_r.high) else
+           f"cannot be excluded: {bf16_r.text(4)} holds the paper's {paper_gap:.2f}")
+    fr_md = fr.copy()
+    if len(fr_md):
+        fr_md["eval perplexity [95% CI]"] = [
+            f"{r['eval perplexity']:.1f}" + ("" if r["seeds"] < 2 else f" [{r['ppl low']:.1f}, {r['ppl high']:.1f}]")
+            for _, r in fr_md.iterrows()]
+        fr_md["train time [s]"] = fr_md["train time [s]"].map(lambda v: f"{v:.1f}")
+        fr_md = fr_md.drop(columns=["eval perplexity", "ppl low", "ppl high"])
+    lines = [
+        "# Which of the paper's claims survive controls: the tiny study", "",
+        f"Generated {date.today().isoformat()} by `{command}` from {len(st.df)} runs"
+        + (f"; the study took {elapsed / 60:.1f} min" if elapsed else "") + ".",
+        f"Base setting: tiny_llama, {st.world} ranks in the paper's mesh relations (local_4x2 / netns_4x2: "
+        "FL+FSDP F = 4 > FL+HSDP F = 2 > 1, HSDP R = 4, S = 2 but FSDP), "
+        f"{st.steps} steps, lr {st.lr:g} shared by all (AdamW, warm-up + cosine), A = {st.every}. "
+        "Seeds per algorithm: " + ", ".join(f"{_name(a)} {seeds.get(a, 0)}" for a in ORDER) + ".", "",
+        "**Statistics.** Runs with the same seed share initial weights (fldp.init) and data order, so "
+        "configurations are compared seed by seed: the ratio is the geometric mean of the per-seed "
+        "ratios, the interval a 95% Student-t interval on the mean log ratio (n - 1 degrees of freedom). "
+        "A finding is reproduced only when its interval lies entirely on the paper's side of 1 and "
+        "beyond 1% of it; an interval that reaches within 1% of 1 is a tie. Best learning rates are picked on the same seeds they are then "
+        "compared on (a small optimistic bias, the same for every algorithm).", "",
+        "## The paper's findings", "", markdown(found), "",
+        "## Precision: HSDP against FSDP (the same mathematics) in fp32 and bf16", "", markdown(dr), "",
+        "FedAvg's accumulation dtype (`algorithm.outer.reduce_dtype`): with F = 2 summing in bf16 and in "
+        "fp32 are the same arithmetic (halving is exact in binary floating point, so rounding the sum "
+        "or the mean rounds alike); from F = 4 on they can differ.", "",
+        f"Does bf16 reduction order produce a gap of the paper's size (HSDP / FSDP {paper_gap:.2f}) at this "
+        f"scale? {gap}.", "", "![HSDP - FSDP train loss per step](drift.png)", "",
+        "## Batch-matched control", "",
+        "Each FL group steps on 1/F of the pool's batch. The controls train FSDP or HSDP on exactly one "
+        "group's per-update batch (a smaller mesh: the same mathematics as one group that never "
+        "averages) at the shared learning rate, for the same number of steps and for F times as many "
+        "(the federation's tokens). A ratio above 1 means the FL run reached the lower perplexity.", "",
+        markdown(bc) if len(bc) else "No control runs.", "",
+        "## Learning rate", "",
+        f"Eval perplexity, mean [95% t-interval] over seeds, fp32, {st.steps} steps; the findings above are "
+        "also computed at each algorithm's best lr.", "", markdown(lrt), "",
+        "## Perplexity against time: A and F", "",
+        f"FL runs at every A with both F of the paper-shaped mesh, fp32, shared lr, on the `{network}` "
+        f"network, on the seeds every point ran ({int(fr['seeds'].min()) if len(fr) else 0} each)" + (" (no emulated network was used: times are loopback's, CPU contention and not "
+        "the paper's link)" if network == "loopback" else "") + "; FSDP and HSDP for reference.", "",
+        markdown(fr_md) if len(fr_md) else "No runs.", "",
+        "![eval perplexity against training time](frontier.png)" if "frontier" in figs else "", "",
+    ]
+    if st.notes:
+        lines += ["Notes:", ""] + [f"- {n}" for n in dict.fromkeys(st.notes)] + [""]
+    path = out / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m analysis.science", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", metavar="RUNS")
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--elapsed", type=float, default=None, help="the study's wall time [s], for the report")
+    parser.add_argument("--paper", default=None)
+    parser.add_argument("--strict", action="store_true", help="exit 1 if any run had to be skipped")
+    args = parser.parse_args(argv)
+    runs, problems = collect(args.runs)
+    for p in problems:
+        print(f"analysis.science: skipped {p}", file=sys.stderr)
+    if not runs:
+        print("analysis.science: no usable runs, nothing written", file=sys.stderr)
+        return 1
+    command = "python -m analysis.science " + shlex.join(argv if argv is not None else sys.argv[1:])
+    path = report(Study(runs), paper_values.load(args.paper), args.out, command, args.elapsed)
+    print(f"analysis.science: {len(runs)} runs, {len(problems)} skipped; wrote {path}")
+    return 1 if args.strict and problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

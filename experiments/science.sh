@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The tiny study of the paper's claims with the controls the paper lacks (conf/experiment/science.yaml,
+# analysis/science.py). Every run: tiny_llama, 8 ranks in the paper's mesh relations, 32 steps.
+#   bash experiments/science.sh [OUT] [--reduced] [OVERRIDES...]   default OUT: outputs/science/DATE_TIME
+# Parts (one Hydra multirun each, records in OUT/runs/PART/<the swept values>/):
+#   tiny_repro  the four algorithms on netns_4x2 (capped links: the times), fp32, shared lr, A = 8
+#   frontier    FL+FSDP (F = 4) and FL+HSDP (F = 2) at the other A on netns_4x2
+#   bf16        the four algorithms in pure bf16 (loopback), and FL with FedAvg summed in fp32
+#   lr          the other two learning rates of the grid (3e-3, 1e-2, 3e-2), fp32, loopback
+#   batch       FSDP / HSDP on one FL group's per-update batch: as many steps, and F times as many
+# then OUT/tiny_repro/ (Tables 3-4: analysis.report) and OUT/report/ (analysis.science).
+# Full: 5 seeds (frontier 2), 126 runs. --reduced (CI): 2 seeds for tiny_repro and bf16, 1 for the
+# rest, A in 1 and 16 only. Needs root and iproute2 for netns_4x2 (as tiny_repro.sh).
+set -uo pipefail
+OUT=${1:-}
+shift || true
+REDUCED=0
+if [ "${1:-}" = "--reduced" ]; then REDUCED=1; shift; fi
+case "$OUT" in
+    "") ;;
+    /*) ;;
+    *) OUT="$PWD/$OUT" ;;
+esac
+cd "$(dirname "$0")/.."
+OUT=${OUT:-outputs/science/$(date +%Y-%m-%d_%H-%M-%S)}
+if [ -e "$OUT/runs" ]; then
+    echo "science: $OUT/runs already exists; remove it or choose another OUT" >&2
+    exit 2
+fi
+if [ "$REDUCED" = 1 ]; then
+    SEEDS=0,1; FEW=0; FRONTIER_SEEDS=0; EVERY=1,16
+else
+    SEEDS=0,1,2,3,4; FEW=$SEEDS; FRONTIER_SEEDS=0,1; EVERY=1,2,4,16
+fi
+ALL=fsdp,hsdp,fl_fsdp,fl_hsdp
+start=$SECONDS
+status=0
+part() {
+    local name=$1
+    shift
+    echo "science: part $name ($((SECONDS - start)) s so far)"
+    python -m fldp.train -m +experiment=science "hydra.sweep.dir=$OUT/runs/$name" "$@" || status=1
+}
+part tiny_repro topology=netns_4x2 algorithm=$ALL seed=$SEEDS "$@"
+part frontier topology=netns_4x2 algorithm=fl_fsdp,fl_hsdp algorithm.every=$EVERY seed=$FRONTIER_SEEDS "$@"
+part bf16 trainer.precision=bf16 algorithm=$ALL seed=$SEEDS "$@"
+part bf16_reduce_fp32 trainer.precision=bf16 algorithm=fl_fsdp,fl_hsdp algorithm.outer.reduce_dtype=fp32 seed=$FEW "$@"
+part lr optimizer.lr=3e-3,3e-2 algorithm=$ALL seed=$FEW "$@"
+# one FL+FSDP group: 2 ranks x 2 sequences; token-matched: x F = 4 steps. One FL+HSDP group: R = 2,
+# S = 2, 8 sequences; x F = 2 steps. (local_2's FSDP and local_4's HSDP layouts are exactly these.)
+part batch_fl_fsdp topology=local_2 algorithm=fsdp trainer.steps=32,128 seed=$FEW "$@"
+part batch_fl_hsdp topology=local_4 algorithm=hsdp trainer.steps=32,64 seed=$FEW "$@"
+elapsed=$((SECONDS - start))
+# Tables 3-4 on the netns runs; then the study, every run
+python -m analysis.report "$OUT/runs/tiny_repro" --out "$OUT/tiny_repro" --strict || status=1
+python -m analysis.science "$OUT/runs" --out "$OUT/report" --elapsed "$elapsed" --strict || status=1
+echo "science: $elapsed s of runs; report in $OUT/report/report.md, Tables 3-4 in $OUT/tiny_repro/report.md"
+exit $status
