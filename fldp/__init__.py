@@ -47,3 +47,9 @@ def _layout(dim: str, *, _root_) -> int:
 
 # ${fldp_layout:federation} -> F of the layout for this algorithm's dimensions
 OmegaConf.register_new_resolver("fldp_layout", _layout, replace=True)
+
+
+# Sweep points (fldp/sweep.py): hydra.sweep.subdir from the point's overrides
+from .sweep import point_dirname  # noqa: E402
+
+OmegaConf.register_new_resolver("fldp_point_dir", point_dirname, replace=True)
