@@ -49,7 +49,9 @@ def _layout(dim: str, *, _root_) -> int:
 OmegaConf.register_new_resolver("fldp_layout", _layout, replace=True)
 
 
-# Sweep points (fldp/sweep.py): hydra.sweep.subdir from the point's overrides
-from .sweep import point_dirname  # noqa: E402
+# Sweep points (fldp/sweep.py): hydra.sweep.subdir from the point's overrides, and no .hydra/ written
+# over the config of records a run leaves alone
+from .sweep import hydra_output_subdir, point_dirname  # noqa: E402
 
 OmegaConf.register_new_resolver("fldp_point_dir", point_dirname, replace=True)
+OmegaConf.register_new_resolver("fldp_output_subdir", hydra_output_subdir, replace=True)

@@ -27,6 +27,9 @@ class Recorder:
     def __init__(self, run_dir: str | Path, cfg, total_steps: int, progress: bool = True, resume_from: int = 0):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # summary.json says the run finished: a run that continues in this directory (resume=auto) has
+        # not, until it writes its own, and a sweep re-run would skip it if it died before that
+        (self.run_dir / "summary.json").unlink(missing_ok=True)
         kept = self._truncate(resume_from, total_steps)
         train = [r for r in kept if r.get("split") != "eval"]
         self.train_time = sum(r["time_step"] for r in train)
