@@ -47,3 +47,11 @@ def _layout(dim: str, *, _root_) -> int:
 
 # ${fldp_layout:federation} -> F of the layout for this algorithm's dimensions
 OmegaConf.register_new_resolver("fldp_layout", _layout, replace=True)
+
+
+# Sweep points (fldp/sweep.py): hydra.sweep.subdir from the point's overrides, and no .hydra/ written
+# over the config of records a run leaves alone
+from .sweep import hydra_output_subdir, point_dirname  # noqa: E402
+
+OmegaConf.register_new_resolver("fldp_point_dir", point_dirname, replace=True)
+OmegaConf.register_new_resolver("fldp_output_subdir", hydra_output_subdir, replace=True)

@@ -2,6 +2,7 @@
 the same rows to W&B, and a progress bar. Only rank 0 makes a Recorder."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -12,6 +13,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from .errors import ConfigError
+from .sweep import HASH_CHARS
 
 # The metric field names, defined once: the trainer writes them, analysis/ reads them.
 PHASES = ("forward", "backward", "optimizer", "aggregation")
@@ -25,6 +27,9 @@ class Recorder:
     def __init__(self, run_dir: str | Path, cfg, total_steps: int, progress: bool = True, resume_from: int = 0):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # summary.json says the run finished: a run that continues in this directory (resume=auto) has
+        # not, until it writes its own, and a sweep re-run would skip it if it died before that
+        (self.run_dir / "summary.json").unlink(missing_ok=True)
         kept = self._truncate(resume_from, total_steps)
         train = [r for r in kept if r.get("split") != "eval"]
         self.train_time = sum(r["time_step"] for r in train)
@@ -100,6 +105,19 @@ def wandb_labels(cfg) -> dict:
     return {"group": cfg.wandb.group, "job_type": cfg.algorithm.name, "tags": tags}
 
 
+WANDB_NAME_MAX = 128   # W&B refuses longer project and artifact names, and reportedly run names
+
+
+def wandb_name(cfg, run_dir: Path) -> str:
+    """ALGORITHM-TOPOLOGY-RUN_DIR, where a sweep point's directory names its overrides (up to 255
+    bytes); past WANDB_NAME_MAX characters, its head and a hash of the whole, so names stay distinct."""
+    name = f"{cfg.algorithm.name}-{cfg.topology.name}-{run_dir.name}"
+    if len(name) <= WANDB_NAME_MAX:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:HASH_CHARS]
+    return f"{name[:WANDB_NAME_MAX - 1 - HASH_CHARS]}#{digest}"
+
+
 def check_wandb_login(cfg) -> None:
     """wandb.mode=online needs a key before any worker starts: W&B would otherwise ask for one on
     standard input, which neither CI nor a compute node has."""
@@ -144,7 +162,7 @@ def _start_wandb(cfg, run_dir: Path):
         return wandb.init(
             project=cfg.wandb.project, entity=cfg.wandb.entity, mode=mode, id=wandb_id(run_dir),
             resume="allow", **wandb_labels(cfg),
-            name=f"{cfg.algorithm.name}-{cfg.topology.name}-{run_dir.name}", dir=str(run_dir),
+            name=wandb_name(cfg, run_dir), dir=str(run_dir),
             config=public_config(cfg),
             # never block a training run on a missing network
             settings=wandb.Settings(init_timeout=60, silent=True, console="off"),

@@ -267,6 +267,7 @@ KEYS: dict[str, Spec] = {
     "trainer.progress": Bool(),
     "trainer.checkpoint_every": Int(ge=0),
     "trainer.resume": Choice(None, "auto"),
+    "trainer.skip_finished": Bool(),                            # multirun: skip points holding summary.json
     "trainer.keep_last": Int(ge=0, null=True, optional=True),   # ops: prune older checkpoints
     "trainer.async_save": Bool(optional=True),                  # ops: DCP async_save
     "fsdp.reshard_root_after_forward": Bool(),

@@ -17,8 +17,8 @@ SECTIONS = ("algorithm", "mesh", "model", "trainer", "optimizer", "fsdp", "comm"
 DATASET_KEYS = ("name", "block_size", "train_blocks", "eval_blocks", "text_field")
 # keys inside those sections that control a run but not what it computes
 OPERATIONAL = frozenset({
-    "trainer.progress", "trainer.resume", "trainer.checkpoint_every", "trainer.keep_last", "trainer.async_save",
-    "comm.measure", "model.init_device",
+    "trainer.progress", "trainer.resume", "trainer.skip_finished", "trainer.checkpoint_every", "trainer.keep_last",
+    "trainer.async_save", "comm.measure", "model.init_device",
 })
 
 

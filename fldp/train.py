@@ -17,7 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from . import CONF, launch, netns, schema, slurm
+from . import CONF, launch, netns, schema, slurm, sweep
 from .aggregation import FedAvgConfig
 from .checkpoint import check_mesh, latest
 from .data import prepare
@@ -59,7 +59,7 @@ def check_run_dir(cfg, shape, run_dir: str) -> None:
         probe.unlink()
     except OSError as e:
         raise ConfigError(f"hydra.run.dir={run_dir}: not writable ({e.strerror})") from e
-    if (path / "metrics.jsonl").exists() and cfg.trainer.resume != "auto":
+    if sweep.refused(path, cfg.trainer.resume):
         raise ConfigError(f"hydra.run.dir={run_dir} already holds a run's metrics.jsonl: continue it "
                           f"with trainer.resume=auto, or choose another hydra.run.dir")
     saved = latest(path) if cfg.trainer.resume == "auto" else None
@@ -138,9 +138,15 @@ def name_the_sweep(cfg: DictConfig) -> None:
 
 @hydra.main(config_path=str(CONF), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> dict | None:
+    run_dir = HydraConfig.get().runtime.output_dir
+    if sweep.skips(run_dir, HydraConfig.get().mode == RunMode.MULTIRUN, cfg.trainer.get("skip_finished")):
+        # before validation: a finished point stands on its records, whatever this config now says
+        log.info("skipped: %s already finished (summary.json); trainer.skip_finished=false trainer.resume=auto "
+                 "runs it again", run_dir)
+        return None
     name_the_sweep(cfg)
     try:
-        summary = run(cfg, HydraConfig.get().runtime.output_dir)
+        summary = run(cfg, run_dir)
     except (ConfigError, WorkerError) as e:
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             # Hydra records this point as failed and runs the others; only at the end does it raise

@@ -193,7 +193,8 @@ def test_local_sweep_an_invalid_point_fails_alone(tmp_path):
     assert out.returncode == 1
     assert re.search(r"sweep point #0 \(.*mesh.federation=3.*\) failed: mesh.federation x mesh.replicate x "
                      r"mesh.shard = 3x1x1 = 3 ranks, but topology=local_2 has 2", out.stdout + out.stderr)
-    assert [p.parent.name for p in tmp_path.glob("*/summary.json")] == ["1_fl_fsdp"]
+    assert [p.parent.name for p in tmp_path.glob("*/summary.json")] == \
+        ["algorithm=fl_fsdp,mesh.federation=2,topology=local_2,trainer.eval_batches=1,trainer.steps=1"]
 
 
 def test_rendezvous_from_the_allocation():

@@ -40,11 +40,13 @@ def test_multirun_points_get_group_job_type_and_tags(tmp_path):
     out = cli("-m", *TINY, "trainer.steps=1", "algorithm=fsdp,fl_fsdp", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     points = {}
-    for point in sorted(sweep.iterdir()):
-        if point.is_dir() and point.name[0].isdigit():
-            (folder,) = offline_runs(point)
-            record = run_record(folder)
-            points[record.job_type] = (record.run_group, sorted(record.tags))
+    for point in sorted(p for p in sweep.iterdir() if p.is_dir()):
+        (folder,) = offline_runs(point)
+        record = run_record(folder)
+        points[record.job_type] = (record.run_group, sorted(record.tags))
+        # the run's name ends in its point's directory, which names the point's overrides
+        assert record.display_name == f"{record.job_type}-local_2-{point.name}"
+        assert f"algorithm={record.job_type}," in point.name
     assert points == {
         "fsdp": ("2026-01-02_03-04-05", ["topology=local_2"]),
         "fl_fsdp": ("2026-01-02_03-04-05", ["A=8", "F=2", "topology=local_2"]),
@@ -54,7 +56,7 @@ def test_multirun_points_get_group_job_type_and_tags(tmp_path):
     out = cli("-m", *TINY, "trainer.steps=1", "algorithm=fsdp", "wandb.group=mine", f"hydra.sweep.dir={named}",
               cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    (folder,) = offline_runs(named / "0_fsdp")
+    (folder,) = offline_runs(named / "algorithm=fsdp,topology=local_2,trainer.eval_batches=1,trainer.steps=1")
     assert run_record(folder).run_group == "mine"
 
 
