@@ -9,6 +9,8 @@
 #   lr          the other two learning rates of the grid (3e-3, 1e-2, 3e-2), fp32, loopback
 #   batch       FSDP / HSDP on one FL group's per-update batch: as many steps, and F times as many
 # then OUT/tiny_repro/ (Tables 3-4: analysis.report) and OUT/report/ (analysis.science).
+# Run again with the same OUT, it skips the points that finished (trainer.skip_finished) and runs the
+# rest; add trainer.resume=auto to continue a point that was killed midway.
 # Full: 5 seeds (frontier 2), 126 runs. --reduced (CI): 2 seeds for tiny_repro and bf16, 1 for the
 # rest, A in 1 and 16 only. Needs root and iproute2 for netns_4x2 (as tiny_repro.sh).
 set -uo pipefail
@@ -23,10 +25,6 @@ case "$OUT" in
 esac
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/science/$(date +%Y-%m-%d_%H-%M-%S)}
-if [ -e "$OUT/runs" ]; then
-    echo "science: $OUT/runs already exists; remove it or choose another OUT" >&2
-    exit 2
-fi
 if [ "$REDUCED" = 1 ]; then
     SEEDS=0,1; FEW=0; FRONTIER_SEEDS=0; EVERY=1,16
 else
