@@ -8,7 +8,10 @@ file holds the scheduler, the RNG state and the step; the data position follows 
 
     run_dir/checkpoints/step_00000008/{group_0/, group_1/, rank_0.pt, ..., meta.json, COMPLETE}
 
-COMPLETE is written last, after every rank finished: a checkpoint without it is never resumed.
+COMPLETE is written last, after every rank finished: a checkpoint without it is never resumed,
+and the launcher deletes it once its workers have stopped (a save cut short by a failure, a full
+disk or a signal). A write that fails (disk full, read-only) ends the run with a WriteError naming
+the checkpoint's directory.
 With trainer.keep_last=K, the older complete checkpoints beyond the newest K are deleted once a
 new one is complete. With trainer.async_save, DCP writes in a background thread while training goes
 on; the checkpoint is marked COMPLETE when every rank's write has finished, checked at the next
@@ -16,6 +19,7 @@ checkpoint or at the end of the run (a crash before that loses only the one in f
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -26,8 +30,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from .errors import WriteError
 from .mesh import ConfigError, MeshShape
 
 MARKER = "COMPLETE"
@@ -57,6 +63,68 @@ def stop_on(signum: int) -> None:
     global _warned
     _warned = threading.Event()
     signal.signal(signum, lambda *_: _warned.set())  # only a flag: the ranks act together, between steps
+
+
+def discard_incomplete(run_dir: str | Path) -> list[Path]:
+    """Delete the checkpoints without COMPLETE: saves cut short. Only once no process of the run is
+    writing any more (the launcher, after its workers stopped): an incomplete checkpoint may be one
+    still being written. Best effort: a disk that refuses the deletion keeps them, never resumed."""
+    partial = [p for p in (Path(run_dir) / "checkpoints").glob("step_*") if not (p / MARKER).exists()]
+    for path in partial:
+        shutil.rmtree(path, ignore_errors=True)
+    return [p for p in partial if not p.exists()]
+
+
+@contextlib.contextmanager
+def _writing(path: Path):
+    """A save that fails for want of a writable disk (ENOSPC, EROFS, EDQUOT, EACCES, EIO), on this
+    rank or another of its group, becomes a WriteError naming the checkpoint: the launcher reports
+    it as one line instead of a traceback per rank. Any other failure passes through as it is."""
+    try:
+        yield
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        cause = _os_error(e) or _unwritable(path if path.exists() else path.parent)
+        if cause is None:
+            raise
+        raise WriteError(f"cannot write checkpoint {path}: {cause.strerror or cause}") from e
+
+
+def _os_error(error: BaseException) -> OSError | None:
+    """The OSError behind a failed save, where its exceptions still carry one: in the chain of
+    causes (torch's zip writer, unable to finish a file the disk cut short, raises a RuntimeError
+    of its own on top), or among the ranks' failures DCP gathered (these come without chains)."""
+    todo, seen = [error], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and not isinstance(e, (ConnectionError, TimeoutError)):  # not a peer's loss
+            return e
+        todo += [e.__cause__, e.__context__]
+        if isinstance(e, CheckpointException):
+            todo += [exc for exc, _ in e.failures.values()]
+    return None
+
+
+def _unwritable(directory: Path) -> OSError | None:
+    """Why `directory` takes no write of 1 MiB now, or None. Asked when a save failed without an
+    OSError to say why: a disk that a save filled up has not even that much room left."""
+    probe = directory / f".write-probe-{os.getpid()}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            data = memoryview(bytes(2**20))
+            while data:  # a full disk takes what fits, then fails
+                data = data[os.write(fd, data):]
+        finally:
+            os.close(fd)
+    except OSError as e:
+        return e
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()
+    return None
 
 
 def prune(run_dir: str | Path, keep: int) -> list[Path]:
@@ -107,14 +175,16 @@ class Checkpointer:
     def save(self, step: int, model, optimizer, scheduler) -> None:
         self.finish()  # one save in flight at most: the previous one is complete before this starts
         path = self.root / f"step_{step:08d}"
-        path.mkdir(parents=True, exist_ok=True)
-        torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state()},
-                   path / f"rank_{self.rank}.pt")
-        target = {"checkpoint_id": path / f"group_{self.federation_index}", "process_group": self.group}
-        if self.async_save:  # returns once the state is copied aside; the write goes on in a thread
-            self.pending = (step, path, dcp.async_save(self._state(model, optimizer), **target))
-        else:
-            dcp.save(self._state(model, optimizer), **target)
+        with _writing(path):
+            path.mkdir(parents=True, exist_ok=True)
+            torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state()},
+                       path / f"rank_{self.rank}.pt")
+            target = {"checkpoint_id": path / f"group_{self.federation_index}", "process_group": self.group}
+            if self.async_save:  # returns once the state is copied aside; the write goes on in a thread
+                self.pending = (step, path, dcp.async_save(self._state(model, optimizer), **target))
+            else:
+                dcp.save(self._state(model, optimizer), **target)
+        if not self.async_save:
             self._complete(step, path)
 
     def finish(self) -> None:
@@ -123,7 +193,8 @@ class Checkpointer:
             return
         step, path, future = self.pending
         self.pending = None
-        getattr(future, "upload_completion", future).result()  # a Future, or an AsyncSaveResponse
+        with _writing(path):
+            getattr(future, "upload_completion", future).result()  # a Future, or an AsyncSaveResponse
         self._complete(step, path)
 
     def stop_if_warned(self, step: int, model, optimizer, scheduler, device) -> None:
@@ -145,10 +216,11 @@ class Checkpointer:
         if self.rank == 0:
             meta = {"step": step, "algorithm": self.algorithm, "federation": self.shape.federation,
                     "replicate": self.shape.replicate, "shard": self.shape.shard}
-            (path / "meta.json").write_text(json.dumps(meta))
-            tmp = path / f".{MARKER}.tmp"
-            tmp.write_text(str(step))
-            os.replace(tmp, path / MARKER)
+            with _writing(path):
+                (path / "meta.json").write_text(json.dumps(meta))
+                tmp = path / f".{MARKER}.tmp"
+                tmp.write_text(str(step))
+                os.replace(tmp, path / MARKER)
             if self.keep_last:
                 prune(self.root.parent, self.keep_last)
         dist.barrier()

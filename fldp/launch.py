@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .errors import ConfigError, WorkerError  # noqa: F401  (also fldp.launch.WorkerError, as before)
+from .errors import ConfigError, Interrupted, WorkerError, WriteError  # noqa: F401  (fldp.launch.WorkerError)
 
 # Ports for the rendezvous, below Linux's ephemeral range (32768+) so no outgoing socket holds one.
 _PORT_BASE, _PORT_SPAN = 12000, 20000
@@ -99,13 +99,23 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+def _exit_on_signal(signum, frame):
+    os._exit(128 + signum)
+
+
 FORKED = False  # True in a worker run_local forked (summary.json: which network joined the ranks)
 
 
 def _local_worker(index, fn, args, world, addr, port, device_type, timeout_s, threads, errors, parent, network):
     global FORKED
     FORKED = True
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's handler is not the worker's
+    # The launcher stops a worker with SIGTERM. Exiting from a Python handler, which runs between
+    # the main thread's bytecodes, never cuts a write short (a metrics row; the default action
+    # could, at a page boundary); a worker stuck in native code gets SIGKILL after _stop's patience.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    # A terminal's Ctrl-C reaches the whole process group: the launcher alone acts on it and stops
+    # the workers, instead of each rank raising KeyboardInterrupt wherever it happens to be.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(parent)
     try:
         if network is not None:  # before any socket or thread: they would stay in the host's namespace
@@ -116,9 +126,11 @@ def _local_worker(index, fn, args, world, addr, port, device_type, timeout_s, th
                           MASTER_ADDR=addr, MASTER_PORT=str(port))
         device = init_process_group(RankEnv(index, world, index, addr, port), device_type, timeout_s)
         fn(*args, device)
-    except BaseException:
+    except BaseException as e:
         # Report before any teardown: closing this rank's connections makes its peers fail next.
-        errors.put((time.time(), index, traceback.format_exc()))
+        # A WriteError's message (the path, the reason) is the whole report.
+        plain = isinstance(e, WriteError)
+        errors.put((time.time(), index, str(e) if plain else traceback.format_exc(), plain))
         sys.exit(1)
     dist.destroy_process_group()
 
@@ -129,7 +141,9 @@ def run_local(fn, args: tuple, world: int, device_type: str, cluster_cfg, networ
     it has run no torch compute, so no thread pool is forked.
 
     `network` (fldp.netns.Network): emulated nodes, created here and removed when this returns or
-    raises, SIGTERM included; each worker joins its node's namespace, rank 0's holds the rendezvous.
+    raises; each worker joins its node's namespace, rank 0's holds the rendezvous.
+
+    SIGINT or SIGTERM to this process stops the workers, then raises Interrupted (see _Interrupts).
 
     When a worker fails, the others are stopped and the error raised is the FIRST one: once a rank
     dies its peers fail too, with "connection closed by peer", which says nothing of the cause."""
@@ -145,19 +159,23 @@ def run_local(fn, args: tuple, world: int, device_type: str, cluster_cfg, networ
         i, fn, args, world, addr, port, device_type, cluster_cfg.timeout_s,
         cluster_cfg.threads_per_worker, errors, os.getpid(), network)) for i in range(world)]
     deaths = []  # (rank, exitcode) of the first workers seen to fail
-    with _terminate_raises(network is not None):
+    with _Interrupts(procs) as interrupts:
         try:
             if network is not None:
                 network.create()
             for p in procs:
+                if interrupts.signum:
+                    break
                 p.start()
-            _watch(procs, deaths)
+            _watch(procs, deaths, interrupts)
         finally:
             _stop([p for p in procs if p.pid is not None])
             if network is not None:
                 network.destroy()
-    failures = sorted(_drain(errors))  # (time, rank, traceback), earliest first
-    reported = {rank for _, rank, _ in failures}
+    if interrupts.signum:  # the workers' errors are the stop's, not a cause
+        raise Interrupted(interrupts.signum)
+    failures = sorted(_drain(errors))  # (time, rank, report, plain), earliest first
+    reported = {rank for _, rank, _, _ in failures}
     after = f"\n({len(failures)} other ranks failed after it)" if failures else ""
     # a rank killed outright (SIGKILL, OOM) leaves no traceback; its peers' errors come after
     for rank, code in deaths:
@@ -165,47 +183,65 @@ def run_local(fn, args: tuple, world: int, device_type: str, cluster_cfg, networ
             how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
             raise WorkerError(f"rank {rank} died ({how}) without a Python error{after}")
     if failures:
-        _, rank, tb = failures[0]
+        _, rank, report, plain = failures[0]
         others = f"\n({len(failures) - 1} other ranks failed after it)" if len(failures) > 1 else ""
-        raise WorkerError(f"rank {rank} failed first:\n{tb}{others}")
+        raise WorkerError(f"rank {rank}: {report}{others}" if plain
+                          else f"rank {rank} failed first:\n{report}{others}")
 
 
 _GRACE_S = 1.0
 
 
-def _watch(procs, deaths: list) -> None:
-    """Until every worker has exited, or one failed (appended to `deaths` as (rank, exitcode))."""
-    alive = {p.sentinel: (i, p) for i, p in enumerate(procs)}
-    while alive and not deaths:
+def _watch(procs, deaths: list, interrupts) -> None:
+    """Until every worker has exited, or one failed (appended to `deaths` as (rank, exitcode)), or
+    the launcher was told to stop."""
+    alive = {p.sentinel: (i, p) for i, p in enumerate(procs) if p.pid is not None}
+    while alive and not deaths and not interrupts.signum:
         for sentinel in wait(list(alive)):
             rank, p = alive.pop(sentinel)
             p.join()  # a ready sentinel can precede the reaping that sets exitcode
             if p.exitcode != 0:
                 deaths.append((rank, p.exitcode))
-    if deaths:
+    if deaths and not interrupts.signum:
         time.sleep(_GRACE_S)  # let the cascade report, so the first error is known
 
 
-@contextlib.contextmanager
-def _terminate_raises(active: bool):
-    """SIGTERM to the launcher raises KeyboardInterrupt, as Ctrl-C does, so the `finally` that
-    stops the workers and removes the emulated network runs (the default action exits at once;
-    without a network the workers die with their launcher anyway: PR_SET_PDEATHSIG)."""
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+class _Interrupts:
+    """SIGINT (Ctrl-C) and SIGTERM (SLURM, `kill`) to the launcher: the first stops the workers
+    (SIGTERM) and is remembered, so run_local returns through its cleanup (the emulated network
+    removed) and raises Interrupted; a later one, say a second Ctrl-C while they stop, SIGKILLs them.
+    The handler never raises: an exception raised inside the cleanup would cut it short. (Workers
+    die with their launcher anyway, even a SIGKILLed one: PR_SET_PDEATHSIG.)"""
 
-    if not active:
-        yield
-        return
-    try:
-        previous = signal.signal(signal.SIGTERM, interrupt)
-    except ValueError:  # not the main thread: signals cannot be handled here
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, procs):
+        self.procs, self.signum, self.previous = procs, None, {}
+        self.owner = os.getpid()
+
+    def __enter__(self):
+        try:
+            self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        except ValueError:  # not the main thread: signals cannot be handled here
+            self.previous = {}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            if self.signum is not None:  # the workers are gone; another Ctrl-C would only cut the report short
+                signal.signal(s, signal.SIG_IGN)
+            elif handler is not None:  # None: a handler set outside Python, which cannot be put back
+                signal.signal(s, handler)
+
+    def _handle(self, signum, frame):
+        if os.getpid() != self.owner:  # a worker just forked, before it set its own handlers
+            os._exit(128 + signum)
+        first = self.signum is None
+        self.signum = self.signum or signum
+        for p in self.procs:
+            if p.pid is not None and p.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGTERM if first else signal.SIGKILL)
 
 
 def _drain(queue):

@@ -1,7 +1,12 @@
 """Run records: `metrics.jsonl` and `summary.json` in the run directory (what `analysis/` reads),
-the same rows to W&B, and a progress bar. Only rank 0 makes a Recorder."""
+the same rows to W&B, and a progress bar. Only rank 0 makes a Recorder.
+
+A record that cannot be written (disk full, read-only, no permission) ends the run with a
+WriteError naming the file, and leaves no half row: `metrics.jsonl` holds whole lines only."""
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -12,7 +17,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from .errors import ConfigError
+from .errors import ConfigError, WriteError
 from .sweep import HASH_CHARS
 
 # The metric field names, defined once: the trainer writes them, analysis/ reads them.
@@ -26,15 +31,18 @@ WANDB_MODES = ("offline", "online", "disabled")
 class Recorder:
     def __init__(self, run_dir: str | Path, cfg, total_steps: int, progress: bool = True, resume_from: int = 0):
         self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        # summary.json says the run finished: a run that continues in this directory (resume=auto) has
-        # not, until it writes its own, and a sweep re-run would skip it if it died before that
-        (self.run_dir / "summary.json").unlink(missing_ok=True)
-        kept = self._truncate(resume_from, total_steps)
+        self.path = self.run_dir / "metrics.jsonl"
+        with _writing(self.path):
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            # summary.json says the run finished: a run that continues in this directory (resume=auto)
+            # has not, until it writes its own, and a sweep re-run would skip it if it died before that
+            (self.run_dir / "summary.json").unlink(missing_ok=True)
+            kept = self._truncate(resume_from, total_steps)
+            # a raw descriptor, not a buffered file: each row is one write that is undone if it fails
+            self.metrics = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         train = [r for r in kept if r.get("split") != "eval"]
         self.train_time = sum(r["time_step"] for r in train)
         self.last_row = train[-1] if train else {}
-        self.metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
         self.wandb = _start_wandb(cfg, self.run_dir)
         self.bar = None
         if progress:
@@ -46,19 +54,25 @@ class Recorder:
     def _truncate(self, step: int, total_steps: int) -> list[dict]:
         """Keep the rows up to `step`: a resumed run redoes the steps after its checkpoint (and the
         final evaluation, when it resumes from the last step)."""
-        path = self.run_dir / "metrics.jsonl"
+        path = self.path
         if not path.exists():
             return []
-        kept = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        # a last line without its newline is a row cut short by a kill (SIGKILL can stop a write
+        # midway): a step after the checkpoint, redone anyway
+        lines = path.read_text().split("\n")[:-1]
+        kept = [json.loads(line) for line in lines if line.strip()]
         kept = [r for r in kept if r["step"] < step or (r["step"] == step and not (
             r.get("split") == "eval" and step == total_steps))]
         tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(tmp, path)
+        try:
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)  # left only when the write failed: the original stays whole
         return kept
 
     def log(self, row: dict) -> None:
-        self.metrics.write(json.dumps(row) + "\n")
+        self._append((json.dumps(row) + "\n").encode())
         if self.wandb is not None:
             prefix = "eval" if row.get("split") == "eval" else "train"
             self.wandb.log({f"{prefix}/{k}": v for k, v in row.items() if k not in ("step", "split")},
@@ -69,16 +83,47 @@ class Recorder:
                 f"ppl {row['perplexity']:.1f} | " + " ".join(f"{p[:3]} {row['time_' + p]:.3f}s" for p in PHASES)
             )
 
+    def _append(self, line: bytes) -> None:
+        """One whole line at the end of metrics.jsonl, or none: a write the disk cuts short (a full
+        disk takes the part that fits, then fails) is truncated away before the error is raised."""
+        with _writing(self.path):
+            end = os.fstat(self.metrics).st_size  # only this process appends
+            try:
+                done = 0
+                while done < len(line):  # a short write is retried; the retry raises the reason
+                    n = os.write(self.metrics, line[done:])
+                    if n == 0:
+                        raise OSError(errno.EIO, "the file system accepted no bytes")
+                    done += n
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self.metrics, end)
+                raise
+
     def finish(self, summary: dict) -> None:
         if self.bar is not None:
             self.bar.close()
+        path = self.run_dir / "summary.json"
         tmp = self.run_dir / "summary.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=2) + "\n")
-        os.replace(tmp, self.run_dir / "summary.json")  # present only once the run is complete
-        self.metrics.close()
+        with _writing(path):
+            try:
+                tmp.write_text(json.dumps(summary, indent=2) + "\n")
+                os.replace(tmp, path)  # present only once the run is complete
+            finally:
+                tmp.unlink(missing_ok=True)
+        os.close(self.metrics)
         if self.wandb is not None:
             self.wandb.summary.update(summary)
             self.wandb.finish()
+
+
+@contextlib.contextmanager
+def _writing(path: Path):
+    """An OSError writing a record becomes a WriteError naming the file (one line for the user)."""
+    try:
+        yield
+    except OSError as e:
+        raise WriteError(f"cannot write {path}: {e.strerror or e}") from e
 
 
 def wandb_id(run_dir: Path) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -19,9 +20,9 @@ from omegaconf import DictConfig
 
 from . import CONF, launch, netns, schema, slurm, sweep
 from .aggregation import FedAvgConfig
-from .checkpoint import check_mesh, latest
+from .checkpoint import check_mesh, discard_incomplete, latest
 from .data import prepare
-from .errors import ConfigError, WorkerError
+from .errors import ConfigError, Interrupted, WorkerError, WriteError
 from .mesh import mesh_shape
 from .records import check_wandb_login
 
@@ -104,8 +105,15 @@ def run(cfg: DictConfig, run_dir: str) -> dict | None:
         from . import trainer  # noqa: F401  (import once here, not in each of the forked workers)
         log.info("%s on %s: mesh %s (federation x replicate x shard), %d local workers, records in %s",
                  cfg.algorithm.name, cfg.topology.name, shape, shape.world, run_dir)
-        launch.run_local(_rank, (cfg, run_dir, blocks), shape.world, cfg.topology.device, cfg.cluster,
-                         network=netns.from_config(cfg))
+        try:
+            launch.run_local(_rank, (cfg, run_dir, blocks), shape.world, cfg.topology.device, cfg.cluster,
+                             network=netns.from_config(cfg))
+        except Interrupted as e:
+            discard_incomplete(run_dir)  # every worker has exited: a checkpoint without COMPLETE is a cut save
+            raise Interrupted(e.signum, f"; {resume_hint(run_dir)}") from None
+        except WorkerError as e:
+            discard_incomplete(run_dir)
+            raise WorkerError(f"{e}\n{resume_hint(run_dir)}") from None
         return json.loads((Path(run_dir) / "summary.json").read_text())
 
     # One rank of a world started by torchrun or srun.
@@ -128,6 +136,14 @@ def run(cfg: DictConfig, run_dir: str) -> dict | None:
     return None
 
 
+def resume_hint(run_dir: str) -> str:
+    """Where a stopped local run can continue from."""
+    saved = latest(run_dir)
+    where = (f"from {saved} (step {int(saved.name.split('_')[1])})" if saved
+             else "from the start (no complete checkpoint)")
+    return f"continue {where} with trainer.resume=auto hydra.run.dir={run_dir}"
+
+
 def name_the_sweep(cfg: DictConfig) -> None:
     """A multirun point's W&B group is its sweep, unless wandb.group is set: the sweep directory's
     last two parts (multirun/DATE/TIME -> DATE_TIME), the same for every point of one sweep."""
@@ -147,7 +163,13 @@ def main(cfg: DictConfig) -> dict | None:
     name_the_sweep(cfg)
     try:
         summary = run(cfg, run_dir)
-    except (ConfigError, WorkerError) as e:
+    except Interrupted as e:  # also in a sweep: Ctrl-C stops the sweep, not only this point
+        print(f"fldp: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:  # Ctrl-C before any worker started (say, while tokenising)
+        print("fldp: interrupted by SIGINT before any worker started", file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
+    except (ConfigError, WorkerError, WriteError) as e:
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             # Hydra records this point as failed and runs the others; only at the end does it raise
             # the first failure, so say now which point failed and why.

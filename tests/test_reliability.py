@@ -1,5 +1,8 @@
-"""Checkpoint and resume, failures that end cleanly, inputs that cannot corrupt a run."""
+"""Checkpoint and resume, failures that end cleanly, inputs that cannot corrupt a run, disk faults and
+signals during a run."""
+import contextlib
 import gzip
+import json
 import os
 import shutil
 import signal
@@ -95,11 +98,20 @@ def kill_and_resume(tmp_path, run, uninterrupted, victim):
     assert not [w for w in workers if os.path.exists(f"/proc/{w}") and _state(w) != "Z"], "orphan workers"
     killed_at = latest(run_dir).name
     assert killed_at != "step_00000012", "the run finished before it was killed"
+    assert_resume_is_exact(run, run_dir, uninterrupted, tmp_path)
 
-    out = cli(*run, "trainer.resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:]
+
+def assert_resume_is_exact(run, run_dir: Path, uninterrupted: Path, tmp_path: Path, in_process=False) -> None:
+    """trainer.resume=auto in run_dir finishes the run, and its losses and final state (every group's
+    parameters and optimiser state) equal the uninterrupted run's, bit for bit. in_process: the
+    same trainer on workers forked from this process, without the ~5 s a command spends importing."""
+    if in_process:
+        train_world(compose_cfg(*run, "trainer.resume=auto"), run_dir)
+    else:
+        out = cli(*run, "trainer.resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-3000:]
     assert [r["loss"] for r in read_rows(run_dir)] == [r["loss"] for r in read_rows(uninterrupted)]
-    assert [r["step"] for r in read_rows(run_dir)] == list(range(1, 13))
+    assert [r["step"] for r in read_rows(run_dir)] == list(range(1, len(read_rows(uninterrupted)) + 1))
     a, b = flatten(final_params(run_dir, tmp_path)), flatten(final_params(uninterrupted, tmp_path))
     assert a.keys() == b.keys() and len(a) > 20
     for key in a:
@@ -239,3 +251,200 @@ def test_the_warning_signal_checkpoints_all_ranks_and_resume_is_exact(tmp_path, 
     assert latest(run_dir).name == "step_00000005"  # not a checkpoint_every=2 step: saved on the signal
     train_world(compose_cfg(*RUN, "trainer.resume=auto"), run_dir)
     assert [r["loss"] for r in read_rows(run_dir)] == [r["loss"] for r in read_rows(uninterrupted)]
+
+
+# --- Faults during a run: a disk that fills or turns read-only, SIGTERM and Ctrl-C to the launcher.
+# A short run: 2 ranks, 2 federation groups (each saves its own DCP checkpoint), checkpoints at 4, 8, 12, 16.
+SHORT = ["algorithm=fl_fsdp", "topology=local_2", "trainer.steps=16", "algorithm.every=4",
+         "trainer.checkpoint_every=4", "wandb.mode=disabled", "trainer.progress=false", "trainer.eval_batches=1"]
+PAGE = 4096  # tmpfs allocates whole pages
+
+
+@pytest.fixture(scope="module")
+def short_uninterrupted(tmp_path_factory):
+    """The reference, and the resumes below, run in this process (train_world): the faults hit real
+    launchers started as commands; what is compared after is the trainer's, and a command costs
+    ~5 s of imports each time."""
+    run_dir = tmp_path_factory.mktemp("short_uninterrupted")
+    train_world(compose_cfg(*SHORT), run_dir)
+    return run_dir
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: int):
+    """A tmpfs of `size` bytes mounted at `path` (a small disk to fill, or to remount read-only);
+    unmounted at the end, whatever happened."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: mounts a small tmpfs to fill up or make read-only")
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        if subprocess.run(["umount", str(path)]).returncode != 0:
+            subprocess.run(["umount", "-l", str(path)])  # still in use: detach now, freed when released
+
+
+def remount(path: Path, options: str) -> bool:
+    return subprocess.run(["mount", "-o", f"remount,{options}", str(path)], capture_output=True).returncode == 0
+
+
+def start(run_dir: Path, cwd: Path) -> subprocess.Popen:
+    """The launcher as a user starts it, in a process group of its own (as a terminal's job), which
+    its workers join: Ctrl-C is SIGINT to that group; after the run nothing of the group may live."""
+    return subprocess.Popen([sys.executable, "-m", "fldp.train", *SHORT, f"hydra.run.dir={run_dir}"], cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def wait_for(proc: subprocess.Popen, ready, what: str, limit_s: float = 120) -> None:
+    deadline = time.monotonic() + limit_s
+    while not ready():
+        assert proc.poll() is None, f"the run ended before {what}: {proc.communicate()[1][-2000:]}"
+        assert time.monotonic() < deadline, f"no {what} within {limit_s} s"
+        time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def frozen(proc: subprocess.Popen):
+    """The launcher and its workers stopped (SIGSTOP) for a moment: the disk changes between two
+    checkpoints, not while a fast run races past them."""
+    os.killpg(proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.killpg(proc.pid, signal.SIGCONT)
+
+
+def survivors(group: int) -> list[int]:
+    """Processes of a process group still running (a zombie has exited; its parent reaps it)."""
+    found = []
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == group and fields[0] != "Z":
+            found.append(int(p))
+    return found
+
+
+def assert_nothing_half_done(run_dir: Path) -> None:
+    """Every line of metrics.jsonl whole; every checkpoint left is complete (one cut short is deleted)."""
+    text = (run_dir / "metrics.jsonl").read_text()
+    assert text.endswith("\n"), f"a torn last line: {text[-200:]!r}"
+    for line in text.splitlines():
+        json.loads(line)
+    left = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    complete = sorted(p.parent.name for p in (run_dir / "checkpoints").glob("step_*/COMPLETE"))
+    assert left == complete, f"incomplete checkpoints left: {set(left) - set(complete)}"
+    assert not (run_dir / "summary.json").exists()
+
+
+def assert_one_clear_line(stderr: str, expected: str) -> None:
+    assert expected in stderr, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+
+
+def checkpoint_bytes(run_dir: Path) -> int:
+    """What one checkpoint takes on a tmpfs: its files, each rounded up to whole pages."""
+    return sum(-(-f.stat().st_size // PAGE) * PAGE for f in latest(run_dir).rglob("*") if f.is_file())
+
+
+@pytest.mark.timeout(120)
+def test_a_disk_full_during_a_checkpoint_stops_the_run_naming_it_and_resume_is_exact(tmp_path, short_uninterrupted):
+    """Room for one checkpoint and a half: the first (step 4) is written, the second runs out of space."""
+    size = checkpoint_bytes(short_uninterrupted)
+    with tmpfs(tmp_path / "run", size * 3 // 2 + 2**20) as run_dir:
+        out = cli(*SHORT, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+        assert out.returncode == 1, out.stderr[-3000:]
+        assert_one_clear_line(out.stderr, f"cannot write checkpoint {run_dir}/checkpoints/step_00000008: "
+                                          f"No space left on device")
+        assert f"continue from {run_dir}/checkpoints/step_00000004 (step 4) with trainer.resume=auto" in out.stderr
+        assert latest(run_dir).name == "step_00000004"
+        assert_nothing_half_done(run_dir)  # the partial step_00000008 was deleted
+        assert len(read_rows(run_dir)) == 8
+        assert remount(run_dir, f"size={size * 6}")  # room for the 3 checkpoints still to come: continue
+        assert_resume_is_exact(SHORT, run_dir, short_uninterrupted, tmp_path, in_process=True)
+
+
+@pytest.mark.timeout(120)
+def test_a_disk_full_while_writing_metrics_leaves_no_torn_line_and_resume_is_exact(tmp_path, short_uninterrupted):
+    """The records on a disk of one page (without Hydra's .hydra/ and train.log: metrics.jsonl
+    alone), the checkpoints on another with room: the row that crosses the page's end (row 9 or 10,
+    rows are ~410-480 bytes) is written in part, then ENOSPC; that part is taken back."""
+    size = checkpoint_bytes(short_uninterrupted)
+    run_dir = tmp_path / "run"
+    with tmpfs(run_dir, PAGE), tmpfs(run_dir / "checkpoints", size * 5):
+        out = cli(*SHORT, f"hydra.run.dir={run_dir}", "hydra.output_subdir=null", "hydra/job_logging=none",
+                  cwd=tmp_path)
+        assert out.returncode == 1, out.stderr[-3000:]
+        assert_one_clear_line(out.stderr, f"cannot write {run_dir}/metrics.jsonl: No space left on device")
+        assert_nothing_half_done(run_dir)
+        assert 4 <= len(read_rows(run_dir)) < 16 and latest(run_dir) is not None
+        assert remount(run_dir, "size=1m")
+        assert_resume_is_exact(SHORT, run_dir, short_uninterrupted, tmp_path, in_process=True)
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_directory_turned_read_only_mid_run_stops_it_naming_it(tmp_path, short_uninterrupted):
+    """(As root, permission bits do not stop a write: a read-only remount does.)"""
+    size = checkpoint_bytes(short_uninterrupted)
+    run_dir = tmp_path / "run"
+    with tmpfs(run_dir / "checkpoints", size * 5) as checkpoints:
+        proc = start(run_dir, tmp_path)
+        wait_for(proc, lambda: latest(run_dir) is not None, "a complete checkpoint")
+        for _ in range(100):  # refused (busy) while a save has a file open: let it go on a moment
+            with frozen(proc):
+                if remount(checkpoints, "ro"):
+                    break
+            time.sleep(0.01)
+        else:
+            pytest.fail("could not remount the checkpoint directory read-only")
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 1, stderr[-3000:]
+        saved = latest(run_dir)
+        after = f"step_{int(saved.name.split('_')[1]) + 4:08d}"
+        assert_one_clear_line(stderr, f"cannot write checkpoint {checkpoints}/{after}: Read-only file system")
+        assert_nothing_half_done(run_dir)
+        assert remount(checkpoints, "rw")
+        assert_resume_is_exact(SHORT, run_dir, short_uninterrupted, tmp_path, in_process=True)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["SIGTERM to the launcher", "Ctrl-C twice, a worker stuck"])
+def test_sigterm_or_ctrl_c_stops_every_worker_and_resume_is_exact(tmp_path, short_uninterrupted, how):
+    """SLURM's pre-kill or `kill`: SIGTERM to the launcher. A terminal's Ctrl-C: SIGINT to the whole
+    process group, workers included; here one worker does not stop (SIGSTOP: as one stuck in native
+    code), which the launcher would SIGKILL after 5 s, and a second Ctrl-C kills it at once. Sent as
+    the second checkpoint starts, so that one is often cut short."""
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, tmp_path)
+    wait_for(proc, lambda: (run_dir / "checkpoints" / "step_00000008").exists(), "a second checkpoint")
+    workers = _children(proc.pid)
+    assert len(workers) == 2, workers
+    sent = time.monotonic()
+    if how == "SIGTERM to the launcher":
+        name = "SIGTERM"
+        proc.send_signal(signal.SIGTERM)
+    else:
+        name = "SIGINT"
+        os.kill(workers[1], signal.SIGSTOP)
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.5)
+        assert _state(workers[1]) in "Tt", "the stuck worker is gone before the second Ctrl-C"
+        os.killpg(proc.pid, signal.SIGINT)
+        second = time.monotonic()
+        while os.path.exists(f"/proc/{workers[1]}") and _state(workers[1]) != "Z":
+            assert time.monotonic() - second < 3, "the second Ctrl-C did not kill the stuck worker"
+            time.sleep(0.02)
+    _, stderr = proc.communicate(timeout=60)
+    took = time.monotonic() - sent
+    assert proc.returncode == 128 + getattr(signal, name), stderr[-3000:]
+    assert_one_clear_line(stderr, f"interrupted by {name}: the workers were stopped; continue from {run_dir}/checkpoints/")
+    assert not survivors(proc.pid), "workers outlived their launcher"
+    assert not [w for w in workers if os.path.exists(f"/proc/{w}") and _state(w) != "Z"]
+    assert took < 15, f"the launcher took {took:.1f} s to stop"
+    assert_nothing_half_done(run_dir)
+    assert latest(run_dir).name in ("step_00000004", "step_00000008")
+    assert_resume_is_exact(SHORT, run_dir, short_uninterrupted, tmp_path, in_process=True)
