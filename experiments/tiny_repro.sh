@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The tiny reproduction, end to end: 12 runs (4 algorithms x seeds 0,1,2 on netns_2x4, 2 emulated
-# nodes of 4 ranks joined by a capped link (root, iproute2), identical hyper-parameters:
-# conf/experiment/tiny_repro.yaml), then the report on them.
+# The tiny reproduction, end to end: 12 runs (4 algorithms x seeds 0,1,2 on netns_4x2, 4 emulated
+# nodes of 2 ranks in the paper's mesh relations, joined by capped links (root, iproute2), identical
+# hyper-parameters: conf/experiment/tiny_repro.yaml), then the report on them.
 #   bash experiments/tiny_repro.sh [OUT]    default OUT: outputs/tiny_repro/DATE_TIME
 # Writes OUT/runs/<algorithm>_seed<N>/ (the records) and OUT/report/ (tables, figure, report.md).
-# About 6 minutes on 2 cores (366 s measured). Extra arguments after OUT go to fldp.train (Hydra overrides).
+# About 5 minutes on 2 cores. Extra arguments after OUT go to fldp.train (Hydra overrides).
+# experiments/science.sh runs the same with 5 seeds as the first part of the study.
 set -uo pipefail
 OUT=${1:-}
 shift || true
