@@ -11,8 +11,8 @@
 # then OUT/tiny_repro/ (Tables 3-4: analysis.report) and OUT/report/ (analysis.science).
 # Run again with the same OUT, it skips the points that finished (trainer.skip_finished) and runs the
 # rest; add trainer.resume=auto to continue a point that was killed midway.
-# Full: 5 seeds (frontier 2), 126 runs. --reduced (CI): 2 seeds for tiny_repro and bf16, 1 for the
-# rest, A in 1 and 16 only. Needs root and iproute2 for netns_4x2 (as tiny_repro.sh).
+# Full: 5 seeds (frontier 2), 126 runs. --reduced (CI, 28 runs): 2 seeds for tiny_repro and bf16, 1
+# for the rest, A = 16 only in the frontier, lr 3e-2 only beside the shared 1e-2. Needs root and iproute2 for netns_4x2 (as tiny_repro.sh).
 set -uo pipefail
 OUT=${1:-}
 shift || true
@@ -26,9 +26,9 @@ esac
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/science/$(date +%Y-%m-%d_%H-%M-%S)}
 if [ "$REDUCED" = 1 ]; then
-    SEEDS=0,1; FEW=0; FRONTIER_SEEDS=0; EVERY=1,16
+    SEEDS=0,1; FEW=0; FRONTIER_SEEDS=0; EVERY=16; LRS=3e-2
 else
-    SEEDS=0,1,2,3,4; FEW=$SEEDS; FRONTIER_SEEDS=0,1; EVERY=1,2,4,16
+    SEEDS=0,1,2,3,4; FEW=$SEEDS; FRONTIER_SEEDS=0,1; EVERY=1,2,4,16; LRS=3e-3,3e-2
 fi
 ALL=fsdp,hsdp,fl_fsdp,fl_hsdp
 start=$SECONDS
@@ -43,7 +43,7 @@ part tiny_repro topology=netns_4x2 algorithm=$ALL seed=$SEEDS "$@"
 part frontier topology=netns_4x2 algorithm=fl_fsdp,fl_hsdp algorithm.every=$EVERY seed=$FRONTIER_SEEDS "$@"
 part bf16 trainer.precision=bf16 algorithm=$ALL seed=$SEEDS "$@"
 part bf16_reduce_fp32 trainer.precision=bf16 algorithm=fl_fsdp,fl_hsdp algorithm.outer.reduce_dtype=fp32 seed=$FEW "$@"
-part lr optimizer.lr=3e-3,3e-2 algorithm=$ALL seed=$FEW "$@"
+part lr optimizer.lr=$LRS algorithm=$ALL seed=$FEW "$@"
 # one FL+FSDP group: 2 ranks x 2 sequences; token-matched: x F = 4 steps. One FL+HSDP group: R = 2,
 # S = 2, 8 sequences; x F = 2 steps. (local_2's FSDP and local_4's HSDP layouts are exactly these.)
 part batch_fl_fsdp topology=local_2 algorithm=fsdp trainer.steps=32,128 seed=$FEW "$@"

@@ -122,6 +122,8 @@ def test_verdicts_on_synthetic_records():
     assert network == "netns"
     assert set(zip(fr["algorithm"], fr["A"])) == {("FSDP", "-"), ("HSDP", "-"), ("FL+FSDP", 1), ("FL+FSDP", 8),
                                                   ("FL+HSDP", 8)}
+    # relative to FSDP in the same seed: 450 / 500 for every seed, however much the seeds differ
+    assert fr.set_index(["algorithm", "A"]).loc[("FL+FSDP", 1), "/ FSDP"] == pytest.approx(0.9)
 
 
 def test_report_writes_every_part(tmp_path):
