@@ -1,10 +1,18 @@
 """FedAvg across federation groups, on real processes over gloo."""
+import gc
 import math
+import os
+import weakref
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from conftest import Snapshot, compose_cfg, identical, read_rows, train_world
+import fldp.aggregation as aggregation
+from conftest import Snapshot, compose_cfg, identical, read_rows, run_world, train_world
+from fldp.aggregation import FedAvg, FedAvgConfig, OuterConfig
+from fldp.mesh import MeshShape, build_mesh, group_mesh
+from fldp.model import build_model, llama_config, parallelize
 
 # FL+HSDP 2x2x2 with A=3 over 7 steps: aggregations at 3, 6 and the forced last step 7.
 STEPS, EVERY = 7, 3
@@ -64,7 +72,6 @@ def test_intermediate_evaluation_scores_the_groups_average(tmp_path):
     scores their average (and each group), checked against plain single-process models built from
     the groups' weights; training is not changed by it."""
     from fldp.data import prepare
-    from fldp.model import build_model, llama_config
 
     common = ["algorithm=fl_fsdp", "topology=local_4", "trainer.steps=2", "algorithm.every=2",
               "trainer.eval_batches=null", "dataset.eval_blocks=8"]
@@ -97,16 +104,6 @@ def test_intermediate_evaluation_scores_the_groups_average(tmp_path):
 
 def _in_place_worker(cfg, out, device):
     """FL+FSDP 2x1x2 on a model with an odd MLP width: FSDP2 pads gate/up_proj's dim 0 on shard 1."""
-    import gc
-    import os
-    import weakref
-
-    import torch.distributed as dist
-
-    from fldp.aggregation import FedAvg, FedAvgConfig
-    from fldp.mesh import MeshShape, build_mesh, group_mesh
-    from fldp.model import build_model, llama_config, parallelize
-
     shape = MeshShape(2, 1, 2)
     mesh = build_mesh(shape, "cpu")
     model_cfg = cfg.model.copy()
@@ -174,8 +171,6 @@ def test_fedavg_averages_fsdp_shards_in_place(tmp_path):
     """FSDP2's local shards are views of FedAvg's buckets (padded shards copied), the old storage
     is freed, the average equals one computed from the groups' shards, FSDP2's all-gather reads it,
     and a parameter replaced after FedAvg was built stops the next aggregation."""
-    from conftest import run_world
-
     run_world(_in_place_worker, 4, compose_cfg(), str(tmp_path))
     assert (tmp_path / "ok").exists()
 
@@ -183,15 +178,6 @@ def test_fedavg_averages_fsdp_shards_in_place(tmp_path):
 def _copied_alike_worker(cfg, out, device):
     """8 groups of bf16 weights, DiLoCo, several buckets: FedAvg reducing the shards in place and
     FedAvg packing them (nothing resident) give the same bits, twice (momentum in play)."""
-    import os
-
-    import torch.distributed as dist
-
-    import fldp.aggregation as aggregation
-    from fldp.aggregation import FedAvg, FedAvgConfig, OuterConfig
-    from fldp.mesh import MeshShape, build_mesh, group_mesh
-    from fldp.model import build_model, llama_config, parallelize
-
     shape = MeshShape(4, 1, 1)
     mesh = build_mesh(shape, "cpu")
     config = FedAvgConfig(every=1, bucket_mb=0.02, outer=OuterConfig(lr=0.7, momentum=0.9, nesterov=True))
@@ -222,7 +208,5 @@ def _copied_alike_worker(cfg, out, device):
 
 
 def test_in_place_and_packed_fedavg_give_the_same_bits(tmp_path):
-    from conftest import run_world
-
     run_world(_copied_alike_worker, 4, compose_cfg(), str(tmp_path))
     assert (tmp_path / "ok").exists()
