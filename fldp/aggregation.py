@@ -9,12 +9,18 @@ is handed to torch's SGD or Adam over the anchor, and every group continues from
 FedAvg is outer SGD with lr 1 and no momentum; it takes the average as it is (bit for bit, no anchor
 kept). Anchor and outer state are flat fp32 tensors per bucket, on this rank only (its own shards).
 
+The average is reduced in place: each bucket is one persistent flat tensor and FSDP2's local shards
+are views of it, so an aggregation is one all-reduce per bucket and no copy (copying 9.6 MiB into a
+bucket and back cost ~4.8 ms beside a 12.6 ms all-reduce on a 2-core CPU). A shard FSDP2 pads, and
+every shard when `reduce_dtype` casts, is still copied into its bucket and back.
+
 Averaging is only correct if shard k of parameter p is the same slice of the same tensor in every
 group, so that is checked on construction, before anything is averaged (a silent average of
 unrelated values would corrupt the model without an error).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import re
@@ -22,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from .mesh import ConfigError, MeshShape
 
@@ -165,6 +172,14 @@ class FedAvg:
         self.buckets = self._buckets(int(config.bucket_mb * 2**20))
         self._buffers: dict = {}
         check_aligned(model, self.federation)
+        # per bucket: its persistent flat tensor (None: packed into a reusable buffer each time),
+        # the indices of its shards that are copied into it and back, and what the guard checks
+        self.resident: list[torch.Tensor | None] = []
+        self._copied: list[list[int]] = []
+        self._hosted: list[tuple] = []
+        owners = _fsdp_params(model)
+        for bucket in self.buckets:
+            self.resident.append(self._adopt(bucket, owners))
         self.outer = Outer(config.outer, self.buckets) if self.leads and not config.outer.averages else None
 
     def due(self, step: int) -> bool:
@@ -173,27 +188,81 @@ class FedAvg:
         return self.config.due(step, self.last_step)
 
     def _buckets(self, bucket_bytes: int) -> list[list[torch.Tensor]]:
-        locals_ = [p.to_local() if hasattr(p, "to_local") else p for p in self.params]
+        # the DTensor's own local tensor: to_local() of a Parameter returns a fresh view of it
+        locals_ = [p._local_tensor if isinstance(p, DTensor) else p for p in self.params]
         # FSDP2 can leave a rank an empty shard of a small parameter: nothing to send
         locals_ = [t for t in locals_ if t.numel()]
         groups = bucket_indices([(t.numel() * t.element_size(), t.dtype) for t in locals_], bucket_bytes)
         return [[locals_[i] for i in group] for group in groups]
 
     @torch.no_grad()
+    def _adopt(self, bucket: list[torch.Tensor], owners: dict) -> torch.Tensor | None:
+        """Make the bucket one flat tensor that FSDP2's shards are views of (their values copied in
+        once); None if none can be (a cast to reduce_dtype, or no FSDP2 shard), and the bucket is
+        then packed per aggregation as before. The bucket's layout is the packed one, so the
+        all-reduce sums the same bytes in the same order: the same bits."""
+        if self.reduce_dtype not in (None, bucket[0].dtype):
+            self._copied.append(list(range(len(bucket))))
+            self._hosted.append(())
+            return None
+        flat = torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+        copied, hosted, offset = [], [], 0
+        for j, t in enumerate(bucket):
+            slot = flat[offset:offset + t.numel()]
+            offset += t.numel()
+            slot.copy_(t.reshape(-1))
+            owner = owners.get(id(t))
+            if owner is None:
+                copied.append(j)
+                continue
+            # FSDP2 all-gathers from _sharded_param_data and the optimiser steps the DTensor's local
+            # tensor: both become views of the slot (FSDP2's own reset_sharded_param swaps them
+            # alike), and the old storage is freed. Tensor.set_ would keep it alive through _base.
+            local = slot.view(t.shape)
+            owner.sharded_param._local_tensor = local
+            owner._sharded_param_data = slot
+            bucket[j] = local
+            hosted.append((owner, local, slot.data_ptr()))
+        if not hosted:  # nothing resident: a persistent copy of the bucket would only cost memory
+            self._copied.append(copied)
+            self._hosted.append(())
+            return None
+        self._copied.append(copied)
+        self._hosted.append(tuple(hosted))
+        return flat
+
+    def _check_resident(self) -> None:
+        """Whatever replaces a parameter's storage after FedAvg was built (nn.Module._apply,
+        load_state_dict(assign=True), FSDP2 re-padding it) would leave FSDP2 all-gathering values
+        FedAvg no longer writes: fail loudly rather than train on silently diverged shards."""
+        for hosted in self._hosted:
+            for owner, local, ptr in hosted:
+                if not (owner.sharded_param._local_tensor is local and local.data_ptr() == ptr
+                        and owner._sharded_param_data.data_ptr() == ptr):
+                    raise RuntimeError("FedAvg: a parameter's local shard was replaced after FedAvg was built "
+                                       "(model.to(), load_state_dict(assign=True), ...); build FedAvg after it")
+
+    @torch.no_grad()
     def __call__(self, outer_step: bool = True) -> None:
-        """Pack bucket k+1 while bucket k is being reduced (two reusable buffers per dtype): the
-        copies overlap the collective, and nothing is allocated per aggregation. outer_step=False:
-        the plain average, whatever the outer optimiser (an evaluation of the average)."""
-        pending = None
+        """Reduce each bucket's flat tensor in place, every bucket's all-reduce in flight at once,
+        then finish them in order (10 buckets on the 2-core CPU: median 1.16x one flat all-reduce
+        of the same bytes, 1.22x with two in flight). A bucket packed into a reusable buffer (a
+        cast to reduce_dtype) first waits for the bucket that last used that buffer, so its packing
+        overlaps the reduction of the one before, and nothing is allocated per aggregation.
+        outer_step=False: the plain average, whatever the outer optimiser (an evaluation of it)."""
+        self._check_resident()
+        pending: collections.deque = collections.deque()
         for i, bucket in enumerate(self.buckets):
-            flat = self._buffer(bucket, i % 2)
-            _pack(bucket, flat)
+            flat = self.resident[i]
+            if flat is None:
+                while pending and pending[0][0] <= i - 2:  # bucket i - 2 packed into this buffer
+                    self._finish(*pending.popleft(), outer_step)
+                flat = self._buffer(bucket, i % 2)
+            _pack(bucket, flat, self._copied[i])
             work = dist.all_reduce(flat, group=self.federation, async_op=True) if self.leads else None
-            if pending:
-                self._finish(*pending, outer_step)
-            pending = (i, bucket, flat, work)
-        if pending:
-            self._finish(*pending, outer_step)
+            pending.append((i, bucket, flat, work))
+        while pending:
+            self._finish(*pending.popleft(), outer_step)
 
     def _buffer(self, bucket, parity: int) -> torch.Tensor:
         numel = sum(t.numel() for t in bucket)
@@ -212,7 +281,7 @@ class FedAvg:
                 self.outer.step(index, flat)
         if self.broadcast:
             dist.broadcast(flat, group=self.replicate, group_src=0)
-        _unpack(bucket, flat)
+        _unpack(bucket, flat, self._copied[index])
 
     @contextlib.contextmanager
     @torch.no_grad()
@@ -281,21 +350,53 @@ class Outer:
                 value.copy_(state[f"{key}_{i}"])
 
 
-def _pack(bucket: list[torch.Tensor], flat: torch.Tensor) -> None:
-    """Copy a bucket's local shards into its flat buffer (cast to the reduce dtype if it differs)."""
-    if flat.dtype == bucket[0].dtype:
+def _slots(bucket: list[torch.Tensor], flat: torch.Tensor, which: list[int]):
+    """(shard, its slice of the flat tensor) for the shards `which` of a bucket."""
+    offsets = [0]
+    for t in bucket:
+        offsets.append(offsets[-1] + t.numel())
+    return [(bucket[j], flat[offsets[j]:offsets[j + 1]]) for j in which]
+
+
+def _pack(bucket: list[torch.Tensor], flat: torch.Tensor, which: list[int]) -> None:
+    """Copy the bucket's shards `which` (all, or those not resident) into their slots of its flat
+    tensor, cast to the reduce dtype if it differs."""
+    if not which:
+        return
+    if len(which) == len(bucket) and flat.dtype == bucket[0].dtype:
         torch.cat([t.reshape(-1) for t in bucket], out=flat)  # one kernel
         return
-    offset = 0
-    for t in bucket:
-        flat[offset:offset + t.numel()].copy_(t.reshape(-1))
-        offset += t.numel()
+    for t, slot in _slots(bucket, flat, which):
+        slot.copy_(t.reshape(-1))
 
 
-def _unpack(bucket: list[torch.Tensor], flat: torch.Tensor) -> None:
-    """Copy a bucket's flat buffer back into its local shards."""
-    for t, value in zip(bucket, torch.split(flat, [t.numel() for t in bucket])):
-        t.copy_(value.view_as(t))
+def _unpack(bucket: list[torch.Tensor], flat: torch.Tensor, which: list[int]) -> None:
+    """Copy the bucket's flat tensor back into its shards `which`."""
+    if not which:
+        return
+    for t, slot in _slots(bucket, flat, which):
+        t.copy_(slot.view_as(t))
+
+
+def _fsdp_params(model) -> dict[int, object]:
+    """id(local shard tensor) -> FSDP2's FSDPParam owning it, for the shards FedAvg can hold in its
+    buckets: unpadded (the local tensor is all of _sharded_param_data), not offloaded. FSDP2's
+    private state: if this torch lacks it, nothing is resident and FedAvg copies, as before."""
+    owners = {}
+    try:
+        for module in model.modules():
+            if not hasattr(module, "_get_fsdp_state"):
+                continue
+            group = module._get_fsdp_state()._fsdp_param_group
+            for owner in (group.fsdp_params if group is not None else ()):
+                local, data = owner.sharded_param._local_tensor, owner._sharded_param_data
+                if (type(local) is torch.Tensor and type(data) is torch.Tensor and local.is_contiguous()
+                        and not owner.offload_to_cpu and local.numel() == data.numel() > 0
+                        and local.data_ptr() == data.data_ptr()):
+                    owners[id(local)] = owner
+    except AttributeError:
+        return {}
+    return owners
 
 
 def bucket_indices(tensors: list[tuple[int, torch.dtype]], bucket_bytes: int) -> list[list[int]]:

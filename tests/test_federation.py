@@ -1,10 +1,18 @@
 """FedAvg across federation groups, on real processes over gloo."""
+import gc
 import math
+import os
+import weakref
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from conftest import Snapshot, compose_cfg, identical, read_rows, train_world
+import fldp.aggregation as aggregation
+from conftest import Snapshot, compose_cfg, identical, read_rows, run_world, train_world
+from fldp.aggregation import FedAvg, FedAvgConfig, OuterConfig
+from fldp.mesh import MeshShape, build_mesh, group_mesh
+from fldp.model import build_model, llama_config, parallelize
 
 # FL+HSDP 2x2x2 with A=3 over 7 steps: aggregations at 3, 6 and the forced last step 7.
 STEPS, EVERY = 7, 3
@@ -64,7 +72,6 @@ def test_intermediate_evaluation_scores_the_groups_average(tmp_path):
     scores their average (and each group), checked against plain single-process models built from
     the groups' weights; training is not changed by it."""
     from fldp.data import prepare
-    from fldp.model import build_model, llama_config
 
     common = ["algorithm=fl_fsdp", "topology=local_4", "trainer.steps=2", "algorithm.every=2",
               "trainer.eval_batches=null", "dataset.eval_blocks=8"]
@@ -93,3 +100,113 @@ def test_intermediate_evaluation_scores_the_groups_average(tmp_path):
 
     plain = train_world(compose_cfg(*common), tmp_path / "plain" / "run")
     assert [r["loss"] for r in plain] == [r["loss"] for r in rows]  # the evaluation changed nothing
+
+
+def _in_place_worker(cfg, out, device):
+    """FL+FSDP 2x1x2 on a model with an odd MLP width: FSDP2 pads gate/up_proj's dim 0 on shard 1."""
+    shape = MeshShape(2, 1, 2)
+    mesh = build_mesh(shape, "cpu")
+    model_cfg = cfg.model.copy()
+    model_cfg.intermediate_size = 171
+    torch.manual_seed(0)
+    model = parallelize(build_model(llama_config(model_cfg, 512)), group_mesh(mesh, shape), torch.float32)
+    f, _, s = shape.coords(dist.get_rank())
+    fsdp_modules = [m for m in model.modules() if hasattr(m, "unshard")]
+    with torch.no_grad():
+        # FSDP2's lazy init (at the first forward) would re-derive what it all-gathers from the
+        # local shards; done first, so FedAvg alone must keep the two the same
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long))
+        for m in fsdp_modules:
+            m.reshard()
+        for p in model.parameters():  # make the groups differ
+            p.to_local().mul_(1.0 + f).add_(0.25 * f)
+    # the expected average, from every group's shard (all_gather, not the all-reduce under test)
+    fed = mesh["federation"].get_group()
+    expected = {}
+    for name, p in model.named_parameters():
+        both = [torch.empty_like(p.to_local()) for _ in range(2)]
+        dist.all_gather(both, p.to_local().contiguous(), group=fed)
+        expected[name] = (both[0] + both[1]) / 2  # exact: halving an fp32 sum rounds nothing more
+    padded = [n for n, p in model.named_parameters() if p.to_local().numel() and p.to_local().shape[0] < -(-p.shape[0] // 2)]
+    assert bool(padded) == (s == 1), padded  # chunk 0 is never padded
+    old = [weakref.ref(p._local_tensor) for p in model.parameters()]
+
+    fedavg = FedAvg(model, mesh, shape, FedAvgConfig(every=1, bucket_mb=0.05), last_step=1)
+    # every shard lives in a bucket but the padded ones, which are copied in and out of it
+    copied = sum(len(c) for c in fedavg._copied)
+    assert copied == len(padded) and all(flat is not None for flat in fedavg.resident)
+    gc.collect()
+    alive = sum(r() is not None for r in old)
+    assert alive == len(padded), f"{alive} old shard storages kept alive"
+    fedavg()
+    for name, p in model.named_parameters():
+        assert torch.equal(p.to_local(), expected[name]), name
+    # what FSDP2 all-gathers for forward is the average, not the shards before it
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    for m in fsdp_modules:
+        m.unshard()
+    for name, p in model.named_parameters():
+        assert not hasattr(p, "to_local") and torch.equal(p, full[name]), name
+    for m in fsdp_modules:
+        m.reshard()
+    # the optimiser's in-place steps land in the buckets: the next average sees them
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().add_(1.0 + f)
+    fedavg()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.to_local(), expected[name] + 1.5)  # (x+1 + y+2) / 2, rounded
+    # a parameter replaced after FedAvg was built would no longer be what FSDP2 gathers: refused
+    model.load_state_dict(model.state_dict(), assign=True)
+    try:
+        fedavg()
+        raise AssertionError("a replaced parameter was averaged")
+    except RuntimeError as e:
+        assert "replaced after FedAvg was built" in str(e)
+    if dist.get_rank() == 0:
+        open(os.path.join(out, "ok"), "w").close()
+
+
+def test_fedavg_averages_fsdp_shards_in_place(tmp_path):
+    """FSDP2's local shards are views of FedAvg's buckets (padded shards copied), the old storage
+    is freed, the average equals one computed from the groups' shards, FSDP2's all-gather reads it,
+    and a parameter replaced after FedAvg was built stops the next aggregation."""
+    run_world(_in_place_worker, 4, compose_cfg(), str(tmp_path))
+    assert (tmp_path / "ok").exists()
+
+
+def _copied_alike_worker(cfg, out, device):
+    """8 groups of bf16 weights, DiLoCo, several buckets: FedAvg reducing the shards in place and
+    FedAvg packing them (nothing resident) give the same bits, twice (momentum in play)."""
+    shape = MeshShape(4, 1, 1)
+    mesh = build_mesh(shape, "cpu")
+    config = FedAvgConfig(every=1, bucket_mb=0.02, outer=OuterConfig(lr=0.7, momentum=0.9, nesterov=True))
+    results = []
+    for resident in (True, False):
+        model = parallelize(build_model(llama_config(cfg.model, 512)), group_mesh(mesh, shape), torch.bfloat16)
+        torch.manual_seed(100 + dist.get_rank())
+        with torch.no_grad():
+            for p in model.parameters():
+                p.to_local().copy_(torch.randn_like(p.to_local(), dtype=torch.float32) * 0.02 + 0.05)
+        owners = aggregation._fsdp_params
+        if not resident:
+            aggregation._fsdp_params = lambda model: {}
+        try:
+            fedavg = FedAvg(model, mesh, shape, config, last_step=2)
+        finally:
+            aggregation._fsdp_params = owners
+        assert all((flat is not None) == resident for flat in fedavg.resident)
+        fedavg()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.to_local().add_(torch.randn_like(p.to_local(), dtype=torch.float32) * 0.01)
+        fedavg()
+        results.append([p.to_local().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    if dist.get_rank() == 0:
+        open(os.path.join(out, "ok"), "w").close()
+
+
+def test_in_place_and_packed_fedavg_give_the_same_bits(tmp_path):
+    run_world(_copied_alike_worker, 4, compose_cfg(), str(tmp_path))
+    assert (tmp_path / "ok").exists()
