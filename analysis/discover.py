@@ -5,6 +5,8 @@ A run directory's JSONL records are the source of truth: its `wandb/` folder is 
 offline W&B folder is read only when it is named itself, or sits in a tree with no JSONL records."""
 from __future__ import annotations
 
+import argparse
+import sys
 from pathlib import Path
 
 from .records import RecordError, Run, load_run_dir
@@ -74,3 +76,24 @@ def collect(args: list[str]) -> tuple[list[Run], list[str]]:
         for folder in folders:
             load(read_offline, folder)
     return runs, problems
+
+
+def reports_parser(prog: str, doc: str):
+    """The command line every report shares: RUNS..., --out, --paper, --strict."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", metavar="RUNS")
+    parser.add_argument("--out", required=True, type=Path, help="directory for the tables, figures and report")
+    parser.add_argument("--paper", default=None, help="paper values (default: analysis/paper_values.json)")
+    parser.add_argument("--strict", action="store_true", help="exit 1 if any run had to be skipped")
+    return parser
+
+
+def collect_for(prog: str, args: list[str]) -> tuple[list[Run], list[str]]:
+    """collect(), each unusable run named on stderr under the report's name."""
+    runs, problems = collect(args)
+    for p in problems:
+        print(f"{prog}: skipped {p}", file=sys.stderr)
+    if not runs:
+        print(f"{prog}: no usable runs, nothing written", file=sys.stderr)
+    return runs, problems
+

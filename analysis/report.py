@@ -6,7 +6,6 @@ RUNS: run directories, directories holding them (a Hydra multirun), offline W&B 
 `wandb:ENTITY/PROJECT` (online, public API). Unusable runs are named and skipped."""
 from __future__ import annotations
 
-import argparse
 import datetime
 import shlex
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 
 from . import claims, paper as paper_values, render, tables
-from .discover import collect
+from .discover import collect_for, reports_parser
 from .figure import perplexity_figure, save
 from .records import Run
 
@@ -175,19 +174,9 @@ def _report_md(report, paper, command, t3, md3, md4, ratio_md, findings_md, foun
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m analysis.report", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", metavar="RUNS")
-    parser.add_argument("--out", required=True, type=Path, help="directory for the tables, figure and report")
-    parser.add_argument("--paper", default=None, help="paper values (default: analysis/paper_values.json)")
-    parser.add_argument("--strict", action="store_true", help="exit 1 if any run had to be skipped")
-    args = parser.parse_args(argv)
-
-    runs, problems = collect(args.runs)
-    for p in problems:
-        print(f"analysis.report: skipped {p}", file=sys.stderr)
+    args = reports_parser("python -m analysis.report", __doc__).parse_args(argv)
+    runs, problems = collect_for("analysis.report", args.runs)
     if not runs:
-        print("analysis.report: no usable runs, nothing written", file=sys.stderr)
         return 1
     command = "python -m analysis.report " + shlex.join(argv if argv is not None else sys.argv[1:])
     report = build(runs, problems, args.out, paper_values.load(args.paper), command)

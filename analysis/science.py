@@ -9,7 +9,6 @@ step count are the main comparison; smaller FSDP/HSDP meshes are the batch contr
 emulated network give the times. Comparisons pair runs by seed (analysis/stats.py)."""
 from __future__ import annotations
 
-import argparse
 import math
 import shlex
 import sys
@@ -25,7 +24,7 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
 from . import paper as paper_values  # noqa: E402
-from .discover import collect  # noqa: E402
+from .discover import collect_for, reports_parser  # noqa: E402
 from .records import Run  # noqa: E402
 from .render import markdown  # noqa: E402
 from .stats import Ratio, mean_interval, paired_ratio  # noqa: E402
@@ -370,19 +369,11 @@ def report(st: Study, paper: dict, out: Path, command: str, elapsed: float | Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m analysis.science", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", metavar="RUNS")
-    parser.add_argument("--out", required=True, type=Path)
+    parser = reports_parser("python -m analysis.science", __doc__)
     parser.add_argument("--elapsed", type=float, default=None, help="the study's wall time [s], for the report")
-    parser.add_argument("--paper", default=None)
-    parser.add_argument("--strict", action="store_true", help="exit 1 if any run had to be skipped")
     args = parser.parse_args(argv)
-    runs, problems = collect(args.runs)
-    for p in problems:
-        print(f"analysis.science: skipped {p}", file=sys.stderr)
+    runs, problems = collect_for("analysis.science", args.runs)
     if not runs:
-        print("analysis.science: no usable runs, nothing written", file=sys.stderr)
         return 1
     command = "python -m analysis.science " + shlex.join(argv if argv is not None else sys.argv[1:])
     path = report(Study(runs), paper_values.load(args.paper), args.out, command, args.elapsed)
