@@ -157,7 +157,7 @@ class FedAvg:
     """Averages local parameter shards across the federation dimension of `mesh`, then (with an
     outer optimiser) steps the anchor with the pseudo-gradient."""
 
-    def __init__(self, model, mesh, shape: MeshShape, config: FedAvgConfig, last_step: int):
+    def __init__(self, model, mesh, shape: MeshShape, config: FedAvgConfig, last_step: int, resident: bool = True):
         self.config, self.shape, self.last_step = config, shape, last_step
         named = list(model.named_parameters())
         self.params = [p for (_, p), keep in zip(named, config.federated([n for n, _ in named])) if keep]
@@ -177,7 +177,9 @@ class FedAvg:
         self.resident: list[torch.Tensor | None] = []
         self._copied: list[list[int]] = []
         self._hosted: list[tuple] = []
-        owners = _fsdp_params(model)
+        # resident=False: copy as before. DCP's async_save stager fails on the parameters once they
+        # are views of a bucket ("copy_() on an invalid python storage", torch 2.13, measured)
+        owners = _fsdp_params(model) if resident else {}
         for bucket in self.buckets:
             self.resident.append(self._adopt(bucket, owners))
         self.outer = Outer(config.outer, self.buckets) if self.leads and not config.outer.averages else None

@@ -145,7 +145,8 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None)
     model = sharded_model(cfg, blocks.vocab_size, group_mesh(mesh, shape), device)
 
     fedavg_cfg = FedAvgConfig.from_algorithm(cfg.algorithm)
-    fedavg = FedAvg(model, mesh, shape, fedavg_cfg, last_step=steps) if fedavg_cfg else None
+    fedavg = (FedAvg(model, mesh, shape, fedavg_cfg, last_step=steps, resident=not cfg.trainer.async_save)
+              if fedavg_cfg else None)
     optimizer = build_optimizer(model, cfg.optimizer)
     scheduler = get_cosine_schedule_with_warmup(optimizer, int(cfg.optimizer.warmup * steps), steps)
 
