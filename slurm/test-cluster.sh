@@ -117,6 +117,7 @@ start_munge() {
                                    chown munge:munge /etc/munge/munge.key; chmod 400 /etc/munge/munge.key; }
   mkdir -p /run/munge && chown munge:munge /run/munge
   runuser -u munge -- /usr/sbin/munged
+  touch "$STATE/munged.ours"   # stop ends only a munged that start started
 }
 
 start() {
@@ -157,7 +158,8 @@ stop() {
   local n
   for n in "${NODES[@]}"; do stop_pid "$STATE/slurmd-$n.pid"; done
   stop_pid "$STATE/slurmctld.pid"
-  # munged is left running: other software on the host may use it
+  # a munged that was already running is left alone: other software on the host may use it
+  [ -e "$STATE/munged.ours" ] && stop_pid /run/munge/munged.pid
   rm -f "$CONF"
   if grep -qF "$MARK" "$SACCT" 2>/dev/null; then
     rm -f "$SACCT"
