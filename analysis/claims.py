@@ -12,12 +12,12 @@ import pandas as pd
 
 from .records import Run
 from .render import HEADERS3
+from .stats import TIE, TIE_HIGH, TIE_LOW
 from .tables import NAMES, ORDER, per_run
 
 METRIC_NAMES = {**HEADERS3, "step_time_s": "step time [s]"}
-# Values closer than this (relative) are a tie: FSDP and HSDP compute the same thing, and a 1e-6
-# difference in float summation order must not "reproduce" the paper's 2.35x gap between them.
-TIE = 0.01
+# Values closer than TIE (relative to the larger) are a tie: FSDP and HSDP compute the same thing, and
+# a 1e-6 difference in float summation order must not "reproduce" the paper's 2.35x gap between them.
 
 
 def _below(a: float, b: float) -> bool:
@@ -72,7 +72,7 @@ def ratios(paper: dict, values: pd.DataFrame) -> pd.DataFrame:
         std = per_seed.std() if len(per_seed) > 1 else math.nan
         rows.append({"ratio": r["name"], "runs_mean": mean, "runs_std": std, "seeds": len(per_seed),
                      "paper_quoted": r["quoted"], "paper_table3": from_table,
-                     "same_side_of_1": (None if math.isnan(mean) else "tie" if abs(mean - 1) <= TIE
+                     "same_side_of_1": (None if math.isnan(mean) else "tie" if TIE_LOW <= mean <= TIE_HIGH
                                         else (mean > 1) == (from_table > 1))})
     return pd.DataFrame(rows)
 

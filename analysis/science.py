@@ -27,7 +27,7 @@ from . import paper as paper_values  # noqa: E402
 from .discover import collect_for, reports_parser  # noqa: E402
 from .records import Run  # noqa: E402
 from .render import markdown  # noqa: E402
-from .stats import Ratio, mean_interval, paired_ratio  # noqa: E402
+from .stats import TIE_HIGH, TIE_LOW, Ratio, mean_interval, paired_ratio  # noqa: E402
 from .tables import NAMES, ORDER  # noqa: E402
 
 # The paper's perplexity findings: (numerator, denominator) of an eval-perplexity ratio the paper
@@ -69,6 +69,9 @@ class Study:
         self.steps = int(_mode(main["steps"]))
         fl = main[main["F"] > 1]
         self.every = int(_mode(fl["every"])) if len(fl) else 0
+        # the network that gives the times: the emulated one most runs used (loopback when none)
+        timed = df[df["network"] != "loopback"]
+        self.timed_network = _mode(timed["network"]) if len(timed) else "loopback"
         self.df = df
         self.notes: list[str] = []
 
@@ -97,10 +100,17 @@ class Study:
         return paired_ratio(a[metric], b[metric])
 
 
+def _label(r: Ratio, below: str, above: str) -> str:
+    """A ratio's verdict in words, `below` / `above` naming what an ordering means."""
+    return {"n/a": "untested (fewer than 2 seeds)", "<": below, ">": above,
+            "tie": f"tie (interval within {TIE_LOW:.3f}-{TIE_HIGH:.3f})",
+            "inconclusive": "inconclusive (interval spans the tie band)"}[r.verdict]
+
+
 def _verdict(r: Ratio) -> str:
     """For a ratio the paper finds above 1."""
-    return {"n/a": "untested (fewer than 2 seeds)", ">": "reproduced", "<": "opposite (interval below 1)",
-            "tie": "tie: not reproduced"}[r.verdict]
+    text = _label(r, "opposite (interval below 1)", "reproduced")
+    return f"not reproduced: {text}" if r.verdict in ("tie", "inconclusive") else text
 
 
 def _name(a: str) -> str:
@@ -138,8 +148,7 @@ def findings(st: Study, paper: dict) -> pd.DataFrame:
             rows.append({"finding": claim, "paper": f"{paper_ratio:.2f}", "setting": setting,
                          "ratio": f"{_name(num)} / {_name(den)}", "runs [95% CI]": r.text(), "seeds": r.seeds,
                          "verdict": _verdict(r)})
-    timed = st.df[st.df["network"] != "loopback"]
-    network = _mode(timed["network"]) if len(timed) else "loopback"
+    network = st.timed_network
     tcol = t3["columns"].index("train_time_s")
     for num, den in TIME_FINDINGS:
         paper_ratio = t3["rows"][num][tcol] / t3["rows"][den][tcol]
@@ -164,7 +173,7 @@ def drift(st: Study) -> pd.DataFrame:
                      "max abs train-loss difference (any step)": f"{max(diffs):.2e}" if diffs else "-",
                      "mean abs train-loss difference": f"{sum(diffs) / len(diffs):.2e}" if diffs else "-",
                      "at the last step (mean)": f"{sum(last) / len(last):.2e}" if last else "-",
-                     "eval perplexity ratio [95% CI]": r.text(4), "verdict": _tie_text(r)})
+                     "eval perplexity ratio [95% CI]": r.text(4), "verdict": _label(r, "first lower", "first higher")})
     for algo in ("fl_fsdp", "fl_hsdp"):
         b, f32 = st.select(algo, precision="bf16"), st.select(algo, precision="bf16", reduce_dtype="fp32")
         seeds = sorted(set(b.index) & set(f32.index))
@@ -175,13 +184,8 @@ def drift(st: Study) -> pd.DataFrame:
                      "max abs train-loss difference (any step)": f"{max(diffs):.2e}" if diffs else "-",
                      "mean abs train-loss difference": f"{sum(diffs) / len(diffs):.2e}" if diffs else "-",
                      "at the last step (mean)": "-", "eval perplexity ratio [95% CI]": r.text(4),
-                     "verdict": _tie_text(r)})
+                     "verdict": _label(r, "first lower", "first higher")})
     return pd.DataFrame(rows)
-
-
-def _tie_text(r: Ratio) -> str:
-    return {"n/a": "untested (fewer than 2 seeds)", "tie": "tie (interval within 1% of 1)",
-            "<": "first lower", ">": "first higher"}[r.verdict]
 
 
 def batch_control(st: Study) -> pd.DataFrame:
@@ -205,12 +209,12 @@ def batch_control(st: Study) -> pd.DataFrame:
             r = st.ratio(c, mine)
             rows.append({"FL run": f"{_name(fl)} (F = {F}, {batch} sequences per group update)", "control": label,
                          "control / FL eval perplexity [95% CI]": r.text(), "seeds": r.seeds,
-                         "verdict": {"n/a": "untested (fewer than 2 seeds)", "tie": "tie",
-                                     ">": "FL lower", "<": "control lower"}[r.verdict]})
+                         "verdict": _label(r, "control lower", "FL lower")})
     return pd.DataFrame(rows)
 
 
-def lr_table(st: Study) -> tuple[pd.DataFrame, dict[str, float]]:
+def lr_table(st: Study) -> pd.DataFrame:
+    """Geometric mean eval perplexity per lr (the mean of the logs best_lrs picks by) and its interval."""
     best = best_lrs(st)
     lrs = sorted(st.df.loc[st.df["paper_mesh"] & (st.df["precision"] == "fp32"), "lr"].unique())
     rows = []
@@ -218,12 +222,12 @@ def lr_table(st: Study) -> tuple[pd.DataFrame, dict[str, float]]:
         row = {"algorithm": _name(algo)}
         for lr in lrs:
             v = st.select(algo, lr=lr)["eval_perplexity"]
-            m, lo, hi = mean_interval(v)
+            m, lo, hi = (math.exp(x) for x in mean_interval(v.map(math.log)))
             row[f"lr {lr:g}"] = ("-" if not len(v) else f"{m:.1f}" if len(v) < 2
                                  else f"{m:.1f} [{lo:.1f}, {hi:.1f}] (n={len(v)})")
         row["best lr"] = f"{best[algo]:g}" if algo in best else "-"
         rows.append(row)
-    return pd.DataFrame(rows), best
+    return pd.DataFrame(rows)
 
 
 def frontier(st: Study) -> tuple[pd.DataFrame, str]:
@@ -231,8 +235,7 @@ def frontier(st: Study) -> tuple[pd.DataFrame, str]:
     when no run used another). Seeds differ far more than the points do (different data order and
     initial weights), so each point's perplexity is also given relative to FSDP's in the same seed
     (paired), which is what the figure shows."""
-    timed = st.df[st.df["network"] != "loopback"]
-    network = _mode(timed["network"]) if len(timed) else "loopback"
+    network = st.timed_network
     d = st.df[(st.df["network"] == network) & st.df["paper_mesh"] & (st.df["precision"] == "fp32")
               & (st.df["lr"] == st.lr) & (st.df["steps"] == st.steps)]
     # every point on the same seeds (the ones all of them ran), so the points differ only in A and F
@@ -299,7 +302,7 @@ def report(st: Study, paper: dict, out: Path, command: str, elapsed: float | Non
     found = findings(st, paper)
     dr = drift(st)
     bc = batch_control(st)
-    lrt, best = lr_table(st)
+    lrt = lr_table(st)
     fr, network = frontier(st)
     for name, df in (("findings", found), ("drift", dr), ("batch_control", bc), ("lr", lrt), ("frontier", fr)):
         df.to_csv(out / f"{name}.csv", index=False)
@@ -310,12 +313,15 @@ def report(st: Study, paper: dict, out: Path, command: str, elapsed: float | Non
     drift_figure(st).savefig(out / "drift.png", dpi=150)
     plt.close("all")
     seeds = st.df.groupby("algorithm")["seed"].nunique()
-    bf16 = dr[dr["comparison"] == "HSDP vs FSDP, bf16"]
-    paper_gap = paper["table3"]["rows"]["hsdp"][2] / paper["table3"]["rows"]["fsdp"][2]
+    t3 = paper["table3"]
+    col = t3["columns"].index("eval_perplexity")
+    paper_gap = t3["rows"]["hsdp"][col] / t3["rows"]["fsdp"][col]
     bf16_r = st.ratio(st.select("hsdp", precision="bf16"), st.select("fsdp", precision="bf16"))
     gap = ("untested" if bf16_r.seeds < 2 else
-           f"no: HSDP / FSDP in bf16 is {bf16_r.text(4)}, the paper's {paper_gap:.2f} lies outside it"
-           if not (bf16_r.low <= paper_gap <= bf16_r.high) else
+           f"no: HSDP / FSDP in bf16 is {bf16_r.text(4)}, below the paper's {paper_gap:.2f}"
+           if bf16_r.high < paper_gap else
+           f"yes, at least: HSDP / FSDP in bf16 is {bf16_r.text(4)}, above the paper's {paper_gap:.2f}"
+           if bf16_r.low > paper_gap else
            f"cannot be excluded: {bf16_r.text(4)} holds the paper's {paper_gap:.2f}")
     fr_md = fr.copy()
     if len(fr_md):
@@ -333,8 +339,10 @@ def report(st: Study, paper: dict, out: Path, command: str, elapsed: float | Non
         "**Statistics.** Runs with the same seed share initial weights (fldp.init) and data order, so "
         "configurations are compared seed by seed: the ratio is the geometric mean of the per-seed "
         "ratios, the interval a 95% Student-t interval on the mean log ratio (n - 1 degrees of freedom). "
-        "A finding is reproduced only when its interval lies entirely on the paper's side of 1 and "
-        "beyond 1% of it; an interval that reaches within 1% of 1 is a tie. Best learning rates are picked on the same seeds they are then "
+        f"The tie band is {TIE_LOW:.3f}-{TIE_HIGH:.3f} (the two within 1% of the larger). A finding is "
+        "reproduced only when its interval lies entirely on the paper's side of 1 and beyond the band; an "
+        "interval entirely inside the band is a tie (equal to within 1%); one that reaches into the band "
+        "and out of it is inconclusive (neither an ordering nor an equality is shown). Best learning rates are picked on the same seeds they are then "
         "compared on (a small optimistic bias, the same for every algorithm).", "",
         "## The paper's findings", "", markdown(found), "",
         "## Precision: HSDP against FSDP (the same mathematics) in fp32 and bf16", "", markdown(dr), "",
@@ -350,7 +358,7 @@ def report(st: Study, paper: dict, out: Path, command: str, elapsed: float | Non
         "(the federation's tokens). A ratio above 1 means the FL run reached the lower perplexity.", "",
         markdown(bc) if len(bc) else "No control runs.", "",
         "## Learning rate", "",
-        f"Eval perplexity, mean [95% t-interval] over seeds, fp32, {st.steps} steps; the findings above are "
+        f"Eval perplexity, geometric mean [95% t-interval on the mean log] over seeds, fp32, {st.steps} steps; the findings above are "
         "also computed at each algorithm's best lr.", "", markdown(lrt), "",
         "## Perplexity against time: A and F", "",
         f"FL runs at every A with both F of the paper-shaped mesh, fp32, shared lr, on the `{network}` "

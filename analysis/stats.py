@@ -3,17 +3,21 @@
 Runs with the same seed share their initial weights (fldp.init) and data order, so two
 configurations are compared seed by seed: d_i = log(a_i) - log(b_i). The interval is Student's t on
 the mean of the d_i (n - 1 degrees of freedom), mapped back to a ratio a / b = exp(mean d). A ratio
-whose interval reaches within TIE of 1 is a tie: no ordering claim survives it (a 1e-6 difference of
-float summation order, however consistent across seeds, is not a finding). One seed gives no interval."""
+whose interval lies inside the tie band (within TIE of 1) is a tie: the two are equal to within TIE
+(a 1e-6 difference of float summation order, however consistent across seeds, is not a finding). An
+interval that reaches the band but also leaves it is inconclusive: it shows neither an ordering nor
+an equality. One seed gives no interval."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import pandas as pd
 
 LEVEL = 0.95
-TIE = 0.01  # ratios within 1% of 1 are a tie (analysis/claims.py uses the same margin)
+TIE = 0.01  # values within 1% of the larger are a tie (analysis/claims.py uses this margin)
+TIE_LOW, TIE_HIGH = 1 - TIE, 1 / (1 - TIE)  # the tie band of a ratio a / b
 
 
 def t_pdf(x: float, df: int) -> float:
@@ -32,6 +36,7 @@ def t_cdf(x: float, df: int, intervals: int = 4000) -> float:
     return 0.5 + half if x > 0 else 0.5 - half
 
 
+@lru_cache(maxsize=None)  # a report asks for the same few (p, df) dozens of times
 def t_quantile(p: float, df: int) -> float:
     """x with P(T <= x) = p, for p in (0.5, 1): bisection on t_cdf."""
     lo, hi = 0.0, 1.0
@@ -53,11 +58,15 @@ class Ratio:
 
     @property
     def verdict(self) -> str:
-        """'>' (a above b: the whole interval above 1 + TIE), '<' (below 1 / (1 + TIE)), 'tie' (the
-        interval reaches the tie band around 1) or 'n/a' (one seed)."""
+        """'>' (a above b: the whole interval above the tie band), '<' (below it), 'tie' (the whole
+        interval inside it), 'inconclusive' (reaching into the band and out of it) or 'n/a' (one seed)."""
         if self.seeds < 2:
             return "n/a"
-        return "<" if self.high < 1 / (1 + TIE) else ">" if self.low > 1 + TIE else "tie"
+        if self.high < TIE_LOW:
+            return "<"
+        if self.low > TIE_HIGH:
+            return ">"
+        return "tie" if TIE_LOW <= self.low and self.high <= TIE_HIGH else "inconclusive"
 
     def text(self, decimals: int = 3) -> str:
         if self.seeds < 2:
@@ -68,16 +77,9 @@ class Ratio:
 def paired_ratio(a: pd.Series, b: pd.Series) -> Ratio:
     """a / b, paired by index (the seed); seeds present in only one side are left out."""
     both = pd.concat({"a": a, "b": b}, axis=1).dropna()
-    d = (both["a"].map(math.log) - both["b"].map(math.log)).to_list()
-    n = len(d)
-    if n == 0:
-        return Ratio(math.nan, math.nan, math.nan, 0)
-    mean = sum(d) / n
-    if n == 1:
-        return Ratio(math.exp(mean), math.nan, math.nan, 1)
-    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1))
-    half = t_quantile(0.5 + LEVEL / 2, n - 1) * sd / math.sqrt(n)
-    return Ratio(math.exp(mean), math.exp(mean - half), math.exp(mean + half), n)
+    d = both["a"].map(math.log) - both["b"].map(math.log)
+    mean, low, high = mean_interval(d)
+    return Ratio(math.exp(mean), math.exp(low), math.exp(high), len(d))
 
 
 def mean_interval(values: pd.Series) -> tuple[float, float, float]:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The tiny study of the paper's claims with the controls the paper lacks (conf/experiment/science.yaml,
 # analysis/science.py). Every run: tiny_llama, 8 ranks in the paper's mesh relations, 32 steps.
-#   bash experiments/science.sh [OUT] [--reduced] [OVERRIDES...]   default OUT: outputs/science/DATE_TIME
+#   bash experiments/science.sh [OUT] [--reduced] [KEY=VALUE...]   any order; default OUT: outputs/science/DATE_TIME
 # Parts (one Hydra multirun each, records in OUT/runs/PART/<the swept values>/):
 #   tiny_repro  the four algorithms on netns_4x2 (capped links: the times), fp32, shared lr, A = 8
 #   frontier    FL+FSDP (F = 4) and FL+HSDP (F = 2) at the other A on netns_4x2
@@ -10,14 +10,23 @@
 #   batch       FSDP / HSDP on one FL group's per-update batch: as many steps, and F times as many
 # then OUT/tiny_repro/ (Tables 3-4: analysis.report) and OUT/report/ (analysis.science).
 # Run again with the same OUT, it skips the points that finished (trainer.skip_finished) and runs the
-# rest; add trainer.resume=auto to continue a point that was killed midway.
+# rest (the report's time is the sum over the invocations, kept in OUT/elapsed_s); add
+# trainer.resume=auto to continue a point that was killed midway.
 # Full: 5 seeds (frontier 2), 126 runs. --reduced (CI, 28 runs): 2 seeds for tiny_repro and bf16, 1
 # for the rest, A = 16 only in the frontier, lr 3e-2 only beside the shared 1e-2. Needs root and iproute2 for netns_4x2 (as tiny_repro.sh).
 set -uo pipefail
-OUT=${1:-}
-shift || true
+OUT=
 REDUCED=0
-if [ "${1:-}" = "--reduced" ]; then REDUCED=1; shift; fi
+OVERRIDES=()
+for arg in "$@"; do
+    case "$arg" in
+        --reduced) REDUCED=1 ;;
+        -*) echo "science.sh: unknown option $arg (usage: [OUT] [--reduced] [KEY=VALUE...])" >&2; exit 2 ;;
+        *=*) OVERRIDES+=("$arg") ;;
+        *) if [ -n "$OUT" ]; then echo "science.sh: two output directories, $OUT and $arg" >&2; exit 2; fi
+           OUT=$arg ;;
+    esac
+done
 case "$OUT" in
     "") ;;
     /*) ;;
@@ -39,16 +48,18 @@ part() {
     echo "science: part $name ($((SECONDS - start)) s so far)"
     python -m fldp.train -m +experiment=science "hydra.sweep.dir=$OUT/runs/$name" "$@" || status=1
 }
-part tiny_repro topology=netns_4x2 algorithm=$ALL seed=$SEEDS "$@"
-part frontier topology=netns_4x2 algorithm=fl_fsdp,fl_hsdp algorithm.every=$EVERY seed=$FRONTIER_SEEDS "$@"
-part bf16 trainer.precision=bf16 algorithm=$ALL seed=$SEEDS "$@"
-part bf16_reduce_fp32 trainer.precision=bf16 algorithm=fl_fsdp,fl_hsdp algorithm.outer.reduce_dtype=fp32 seed=$FEW "$@"
-part lr optimizer.lr=$LRS algorithm=$ALL seed=$FEW "$@"
+part tiny_repro topology=netns_4x2 algorithm=$ALL seed=$SEEDS "${OVERRIDES[@]}"
+part frontier topology=netns_4x2 algorithm=fl_fsdp,fl_hsdp algorithm.every=$EVERY seed=$FRONTIER_SEEDS "${OVERRIDES[@]}"
+part bf16 trainer.precision=bf16 algorithm=$ALL seed=$SEEDS "${OVERRIDES[@]}"
+part bf16_reduce_fp32 trainer.precision=bf16 algorithm=fl_fsdp,fl_hsdp algorithm.outer.reduce_dtype=fp32 seed=$FEW "${OVERRIDES[@]}"
+part lr optimizer.lr=$LRS algorithm=$ALL seed=$FEW "${OVERRIDES[@]}"
 # one FL+FSDP group: 2 ranks x 2 sequences; token-matched: x F = 4 steps. One FL+HSDP group: R = 2,
 # S = 2, 8 sequences; x F = 2 steps. (local_2's FSDP and local_4's HSDP layouts are exactly these.)
-part batch_fl_fsdp topology=local_2 algorithm=fsdp trainer.steps=32,128 seed=$FEW "$@"
-part batch_fl_hsdp topology=local_4 algorithm=hsdp trainer.steps=32,64 seed=$FEW "$@"
-elapsed=$((SECONDS - start))
+part batch_fl_fsdp topology=local_2 algorithm=fsdp trainer.steps=32,128 seed=$FEW "${OVERRIDES[@]}"
+part batch_fl_hsdp topology=local_4 algorithm=hsdp trainer.steps=32,64 seed=$FEW "${OVERRIDES[@]}"
+# run time over every invocation into this OUT (a re-run adds the points it ran to the earlier ones)
+elapsed=$(( $(cat "$OUT/elapsed_s" 2>/dev/null || echo 0) + SECONDS - start ))
+mkdir -p "$OUT" && echo "$elapsed" > "$OUT/elapsed_s"
 # Tables 3-4 on the netns runs; then the study, every run
 python -m analysis.report "$OUT/runs/tiny_repro" --out "$OUT/tiny_repro" --strict || status=1
 python -m analysis.science "$OUT/runs" --out "$OUT/report" --elapsed "$elapsed" --strict || status=1

@@ -200,10 +200,10 @@ class FedAvg:
     @torch.no_grad()
     def _adopt(self, bucket: list[torch.Tensor], owners: dict) -> torch.Tensor | None:
         """Make the bucket one flat tensor that FSDP2's shards are views of (their values copied in
-        once); None if none can be (a cast to reduce_dtype, or no FSDP2 shard), and the bucket is
+        once); None if none can be (a cast to reduce_dtype, no FSDP2 shard, resident=False), and the bucket is
         then packed per aggregation as before. The bucket's layout is the packed one, so the
         all-reduce sums the same bytes in the same order: the same bits."""
-        if self.reduce_dtype not in (None, bucket[0].dtype):
+        if self.reduce_dtype not in (None, bucket[0].dtype) or not owners:  # not owners: resident=False
             self._copied.append(list(range(len(bucket))))
             self._hosted.append(())
             return None
