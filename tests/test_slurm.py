@@ -394,18 +394,27 @@ def test_sbatch_refuses_an_impossible_job_at_once(tmp_path, idle_cluster):
 @needs_slurm
 @pytest.mark.timeout(900)
 def test_a_job_past_its_time_limit_requeues_and_ends_as_an_uninterrupted_run(tmp_path, idle_cluster, token_cache):
-    """A 1-minute time limit, warned 30 s before it: the job stops mid-run with a checkpoint,
+    """A 1-minute time limit, warned 10 s before it: the job stops mid-run with a checkpoint,
     requeues itself, resumes in the same run directory (maybe more than once), and its records
     equal an uninterrupted local run's. SLURM holds a requeued job for ~2 min (BeginTime); the test
-    lets it start at once, as an idle site's queue would."""
+    lets it start at once, as an idle site's queue would. The job's FedAvg sleeps as over a slow
+    link (comm.emulate: ~0.25 s each, 150 of them), so it trains for >= ~40 s however fast the
+    machine (600 steps alone took 15 s on an idle 2-core machine: done before the warning); the
+    sleeps change no record, so the uninterrupted local run does without them. SLURM sends the
+    warning at its first periodic check (every 30 s) within signal_s + 30 s of the limit: with
+    signal_s=30 and a 1-minute limit that can be the job's first second, before Python has a
+    handler (measured: the tasks died of SIGUSR2 1 s in); with 10, it comes 20-50 s in."""
     run = ["algorithm=fl_fsdp", "trainer.steps=600", "algorithm.every=4", *QUICK, f"dataset.cache_dir={token_cache}"]
+    # one rank per node: the node tier holds 1 rank, FedAvg crosses the inter-node one
+    slow = ["comm.emulate=true", "comm.scale=4e-4",
+            "topology.network=[{tier:node,ranks:1,gbit_s:800},{tier:inter-node,ranks:2,gbit_s:200}]"]
     local, submitted = tmp_path / "local", tmp_path / "submitted"
     train_world(compose_cfg(*run, "topology=local_2"), local)  # fl_fsdp 2x1x1, uninterrupted
     start = time.monotonic()
     proc = subprocess.Popen(
         [sys.executable, "-m", "fldp.train", *run, "cluster=slurm", "topology=slurm_2x4", "topology.procs_per_node=1",
-         "mesh.federation=2", "mesh.replicate=1", "mesh.shard=1", "cluster.time_min=1", "cluster.signal_s=30",
-         "cluster.max_requeue=8", "cluster.poll_s=1", SHARED_TMP, f"hydra.run.dir={submitted}"],
+         "mesh.federation=2", "mesh.replicate=1", "mesh.shard=1", "cluster.time_min=1", "cluster.signal_s=10",
+         "cluster.max_requeue=8", "cluster.poll_s=1", *slow, SHARED_TMP, f"hydra.run.dir={submitted}"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         while proc.poll() is None:
