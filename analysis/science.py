@@ -130,30 +130,34 @@ def best_lrs(st: Study) -> dict[str, float]:
     return best
 
 
+def paper_ratio(paper: dict, num: str, den: str, metric: str = "eval_perplexity") -> float:
+    """num / den in the paper's Table 3."""
+    t3 = paper["table3"]
+    col = t3["columns"].index(metric)
+    return t3["rows"][num][col] / t3["rows"][den][col]
+
+
 def findings(st: Study, paper: dict) -> pd.DataFrame:
     """The paper's perplexity findings in each setting, and its time findings on the timed network."""
-    t3 = paper["table3"]
-    col = t3["columns"].index("eval_perplexity")
     best = best_lrs(st)
     settings = [("fp32, shared lr", "fp32", {}), ("bf16, shared lr", "bf16", {}),
                 ("fp32, each one's best lr", "fp32", best)]
     rows = []
     for num, den in PPL_FINDINGS:
-        paper_ratio = t3["rows"][num][col] / t3["rows"][den][col]
+        in_paper = paper_ratio(paper, num, den)
         claim = (f"{_name(den)} reaches a lower eval perplexity than {_name(num)}" if num != "hsdp" or den != "fsdp"
                  else "HSDP ends with a higher eval perplexity than FSDP")
         for setting, precision, lrs in settings:
             r = st.ratio(st.select(num, precision=precision, lr=lrs.get(num)),
                          st.select(den, precision=precision, lr=lrs.get(den)))
-            rows.append({"finding": claim, "paper": f"{paper_ratio:.2f}", "setting": setting,
+            rows.append({"finding": claim, "paper": f"{in_paper:.2f}", "setting": setting,
                          "ratio": f"{_name(num)} / {_name(den)}", "runs [95% CI]": r.text(), "seeds": r.seeds,
                          "verdict": _verdict(r)})
     network = st.timed_network
-    tcol = t3["columns"].index("train_time_s")
     for num, den in TIME_FINDINGS:
-        paper_ratio = t3["rows"][num][tcol] / t3["rows"][den][tcol]
+        in_paper = paper_ratio(paper, num, den, "train_time_s")
         r = st.ratio(st.select(num, network=network), st.select(den, network=network), "train_time_s")
-        rows.append({"finding": f"{_name(den)} trains faster than {_name(num)}", "paper": f"{paper_ratio:.2f}",
+        rows.append({"finding": f"{_name(den)} trains faster than {_name(num)}", "paper": f"{in_paper:.2f}",
                      "setting": f"fp32, shared lr, {network} network", "ratio": f"{_name(num)} / {_name(den)} train time",
                      "runs [95% CI]": r.text(), "seeds": r.seeds, "verdict": _verdict(r)})
     return pd.DataFrame(rows)
@@ -313,9 +317,7 @@ def report(st: Study, paper: dict, out: Path, command: str, elapsed: float | Non
     drift_figure(st).savefig(out / "drift.png", dpi=150)
     plt.close("all")
     seeds = st.df.groupby("algorithm")["seed"].nunique()
-    t3 = paper["table3"]
-    col = t3["columns"].index("eval_perplexity")
-    paper_gap = t3["rows"]["hsdp"][col] / t3["rows"]["fsdp"][col]
+    paper_gap = paper_ratio(paper, "hsdp", "fsdp")
     bf16_r = st.ratio(st.select("hsdp", precision="bf16"), st.select("fsdp", precision="bf16"))
     gap = ("untested" if bf16_r.seeds < 2 else
            f"no: HSDP / FSDP in bf16 is {bf16_r.text(4)}, below the paper's {paper_gap:.2f}"

@@ -203,7 +203,7 @@ class FedAvg:
         once); None if none can be (a cast to reduce_dtype, no FSDP2 shard, resident=False), and the bucket is
         then packed per aggregation as before. The bucket's layout is the packed one, so the
         all-reduce sums the same bytes in the same order: the same bits."""
-        if self.reduce_dtype not in (None, bucket[0].dtype) or not owners:  # not owners: resident=False
+        if self.reduce_dtype not in (None, bucket[0].dtype) or not owners:  # no FSDP2 shard to host (resident=False)
             self._copied.append(list(range(len(bucket))))
             self._hosted.append(())
             return None
