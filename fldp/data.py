@@ -280,6 +280,33 @@ class RankBatches:
             epoch, offset = epoch + 1, 0
 
 
+class WorldBatches:
+    """Every rank's RankBatches at once, [world, batch_size, block]: rank r's row is what RankBatches
+    gives rank r, step by step (the simulator, fldp/simulate.py). DistributedSampler draws one
+    permutation per epoch from (seed, epoch) alone, keeps the first world * (n // world) indices
+    (drop_last) and deals them round-robin (rank r takes r, r + world, ...): made once here, not once
+    per rank (512 python lists of 65k indices per epoch took most of a paper-shaped step)."""
+
+    def __init__(self, blocks: torch.Tensor, batch_size: int, world: int, seed: int, shuffle: bool = True):
+        self.blocks, self.batch_size, self.world = blocks, batch_size, world
+        self.sampler = DistributedSampler(range(len(blocks)), num_replicas=1, rank=0, shuffle=shuffle, seed=seed)
+        self.per_rank = len(blocks) // world
+        self.per_epoch = self.per_rank // batch_size
+
+    def epoch(self, epoch: int):
+        self.sampler.set_epoch(epoch)
+        order = torch.tensor(list(self.sampler))[:self.per_rank * self.world].view(self.per_rank, self.world).T
+        for i in range(self.per_epoch):
+            yield self.blocks[order[:, i * self.batch_size:(i + 1) * self.batch_size]].long()
+
+    def stream(self):
+        """Endless batches, epoch after epoch."""
+        epoch = 0
+        while True:
+            yield from self.epoch(epoch)
+            epoch += 1
+
+
 def main() -> None:
     """`python -m fldp.data [overrides]`: the run's token cache, made here once (a login node with
     the data at hand) so that a SLURM job only reads it; prints where it is and its block counts."""

@@ -245,6 +245,8 @@ def summary_fields(cfg) -> dict:
     """What joined the ranks, for summary.json: `netns` (emulated nodes, with the link), `sleep`
     (comm.emulate: loopback plus sleeps of bytes / tier bandwidth), `loopback` (forked here), or
     `external` (ranks started by torchrun/srun: whatever network joins their hosts)."""
+    if cfg.cluster.name == "simulate":
+        return {"network": "none", "network_link": None}
     if cfg.comm.emulate:
         return {"network": "sleep", "network_link": None}
     if enabled(cfg.topology):

@@ -231,10 +231,15 @@ KEYS: dict[str, Spec] = {
     "dataset.cache_dir": Text(),
     # cluster: conf/cluster/local.yaml, and the SLURM ones (slurm.yaml, leonardo.yaml)
     "cluster.name": Text(),
-    "cluster.master_addr": Spec("a host name or address", lambda v: isinstance(v, str) and v != "", null=True),
-    "cluster.master_port": Int(ge=1, le=65535, null=True),
-    "cluster.timeout_s": Num(gt=0),
-    "cluster.threads_per_worker": Int(ge=1),
+    # the clusters that start ranks (absent from cluster=simulate, which starts none)
+    "cluster.master_addr": Spec("a host name or address", lambda v: isinstance(v, str) and v != "", null=True,
+                                optional=True),
+    "cluster.master_port": Int(ge=1, le=65535, null=True, optional=True),
+    "cluster.timeout_s": Num(gt=0, optional=True),
+    "cluster.threads_per_worker": Int(ge=1, optional=True),
+    # cluster=simulate (fldp/simulate.py): one process, no ranks
+    "cluster.device": Choice("cpu", "cuda", when=("cluster.name", ("simulate",))),
+    "cluster.threads": Int(ge=1, null=True, when=("cluster.name", ("simulate",))),
     "cluster.launcher": Choice("slurm", "local", optional=True),   # absent: conf/cluster/local.yaml
     "cluster.dry_run": Bool(**SLURM),
     "cluster.wait": Bool(**SLURM),

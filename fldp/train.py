@@ -41,6 +41,9 @@ def validate(cfg: DictConfig):
 
         model = build_model(llama_config(cfg.model, cfg.model.vocab_size or 8), "meta")
         federation.federated([name for name, _ in model.named_parameters()])
+    if simulates(cfg):  # no ranks, no network: the topology gives only the mesh
+        check_simulation(cfg)
+        return shape
     if cfg.topology.device == "cuda" and not slurm.submits(cfg) and not torch.cuda.is_available():
         launcher = f", cluster.launcher={cfg.cluster.launcher}" if cfg.cluster.get("launcher") else ""
         raise ConfigError(f"topology.device=cuda (topology={cfg.topology.name}): no CUDA device here, where "
@@ -48,6 +51,22 @@ def validate(cfg: DictConfig):
     # emulated nodes: the link's keys, root, `ip` and `tc`
     netns.check(cfg, forks_locally=launch.from_environment() is None and not slurm.submits(cfg))
     return shape
+
+
+def simulates(cfg) -> bool:
+    return cfg.cluster.name == "simulate"
+
+
+def check_simulation(cfg) -> None:
+    """What cluster=simulate (fldp/simulate.py) cannot do."""
+    if cfg.trainer.checkpoint_every or cfg.trainer.resume:
+        raise ConfigError(f"trainer.checkpoint_every={cfg.trainer.checkpoint_every}, trainer.resume="
+                          f"{cfg.trainer.resume}: cluster=simulate keeps no checkpoints (a simulated run is "
+                          "short enough to run again)")
+    if cfg.comm.emulate:
+        raise ConfigError("comm.emulate=true: cluster=simulate sends nothing to emulate")
+    if cfg.cluster.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("cluster.device=cuda: no CUDA device here")
 
 
 def check_run_dir(cfg, shape, run_dir: str) -> None:
@@ -94,6 +113,16 @@ def run(cfg: DictConfig, run_dir: str) -> dict | None:
     shape = validate(cfg)
     check_wandb_login(cfg)
     env = launch.from_environment()
+    if simulates(cfg):  # every federation group in this process
+        check_run_dir(cfg, shape, run_dir)
+        blocks = prepare(cfg.dataset)
+        check_vocab(cfg, blocks)
+        check_blocks(cfg, blocks, shape.world)
+        from . import simulate
+
+        log.info("%s simulated in one process: mesh %s (federation x replicate x shard), records in %s",
+                 cfg.algorithm.name, shape, run_dir)
+        return simulate.run(cfg, run_dir, blocks)
     if env is None and slurm.submits(cfg):  # one SLURM job; the ranks run this function again inside it
         check_run_dir(cfg, shape, run_dir)
         return slurm.submit(cfg, run_dir, shape)

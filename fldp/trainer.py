@@ -61,6 +61,11 @@ def build_optimizer(model, opt_cfg):
     raise ConfigError(f"optimizer.name={opt_cfg.name!r}: must be adamw or sgd")
 
 
+def build_scheduler(optimizer, opt_cfg, steps: int):
+    """Linear warm-up over the first `opt_cfg.warmup` of the steps, then cosine to 0 (the paper's)."""
+    return get_cosine_schedule_with_warmup(optimizer, int(opt_cfg.warmup * steps), steps)
+
+
 def total_steps(cfg, blocks: Blocks, world: int) -> int:
     """trainer.steps, or one pass over the training blocks when null (paper: 65,536/(512*2) = 64)."""
     per_epoch = len(blocks.train) // (world * cfg.trainer.batch_size)
@@ -148,7 +153,7 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None)
     fedavg = (FedAvg(model, mesh, shape, fedavg_cfg, last_step=steps, resident=not cfg.trainer.async_save)
               if fedavg_cfg else None)
     optimizer = build_optimizer(model, cfg.optimizer)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, int(cfg.optimizer.warmup * steps), steps)
+    scheduler = build_scheduler(optimizer, cfg.optimizer, steps)
 
     start = 0
     checkpointer = None
@@ -228,8 +233,16 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None)
     if recorder is None:
         return None
     recorder.log(final)
-    eval_loss, eval_time = final["loss"], final["time_eval"]
-    summary = {
+    summary = run_summary(cfg, shape, fedavg_cfg, steps, world, tokens_per_step, train_time, row, final)
+    recorder.finish(summary)
+    return summary
+
+
+def run_summary(cfg, shape, fedavg_cfg, steps: int, world: int, tokens_per_step: int, train_time: float,
+                last_row: dict, final: dict) -> dict:
+    """summary.json: what ran (the setting), and its results (the last training step's and the final
+    evaluation's). One definition for the distributed trainer and the simulator (fldp.simulate)."""
+    return {
         "algorithm": cfg.algorithm.name, "federation": shape.federation, "replicate": shape.replicate,
         "shard": shape.shard, "every": fedavg_cfg.every if fedavg_cfg else None,
         "outer": dataclasses.asdict(fedavg_cfg.outer) if fedavg_cfg else None,
@@ -239,9 +252,7 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None)
         "model": cfg.model.name, "dataset": cfg.dataset.name, "precision": cfg.trainer.precision,
         "batch_size": cfg.trainer.batch_size, "tokens": steps * tokens_per_step,
         "comm_emulated": bool(cfg.comm.emulate), "comm_scale": cfg.comm.scale if cfg.comm.emulate else None,
-        **summary_fields(cfg),
-        "train_time_s": train_time, "train_loss": row["loss"], "train_perplexity": row["perplexity"],
-        "eval_loss": eval_loss, "eval_perplexity": math.exp(eval_loss), "eval_time_s": eval_time,
+        **summary_fields(cfg), "executor": "simulator" if cfg.cluster.name == "simulate" else "trainer",
+        "train_time_s": train_time, "train_loss": last_row["loss"], "train_perplexity": last_row["perplexity"],
+        "eval_loss": final["loss"], "eval_perplexity": math.exp(final["loss"]), "eval_time_s": final["time_eval"],
     }
-    recorder.finish(summary)
-    return summary

@@ -1,0 +1,204 @@
+"""The four algorithms in one process: the F federation groups trained side by side (`cluster=simulate`).
+
+What the distributed trainer computes, without the communication. Each federation group is one model
+replica; the F replicas' parameters are stacked along a leading dimension and run at once with
+torch.func (vmap over functional_call of the same transformers Llama), so 128 groups cost one batched
+step, not 128. Inside a group, FSDP and HSDP compute one full-batch step on the group's sequences:
+FSDP2 averages the ranks' gradients over the group (reduce-scatter; HSDP also all-reduces across
+replicas), and the mean of R x S equal-size batches' mean losses is the mean loss of their union, so
+the group's gradient is that of its whole batch. HSDP's math is therefore FSDP's.
+
+Shared with the trainer, not copied: the data each rank reads (fldp.data: WorldBatches is every
+rank's RankBatches at once), the initial weights (fldp.init), the optimiser and its schedule, the aggregation rule (FedAvgConfig.due), the
+outer step (fldp.aggregation.Outer), the records (fldp.records.Recorder) and summary.json
+(trainer.run_summary). AdamW is elementwise, so one AdamW over the stacked parameters is F AdamWs.
+What differs is only floating-point order: the collectives sum in another order than torch.sum
+(fp32: agreement within 1e-5, tested; in bf16 the collective rounds at every hop, the simulator once).
+"""
+from __future__ import annotations
+
+import math
+import time
+import warnings
+
+import torch
+from torch import nn
+from torch.func import functional_call, vmap
+
+from .aggregation import FedAvgConfig, Outer
+from .data import Blocks, WorldBatches
+from .errors import ConfigError
+from .mesh import mesh_shape
+from .model import DTYPES, build_model, init_weights, llama_config
+from .records import PHASES, Recorder
+from .trainer import build_optimizer, build_scheduler, run_summary, total_steps
+
+# vmap has no batching rule for CPU flash attention and loops over the groups inside that one op
+# (measured: as fast as eager attention at F = 128); the warning would repeat at every step
+warnings.filterwarnings("ignore", message=".*not yet implemented the batching rule.*")
+
+EVAL_CHUNK = 256  # held-out sequences per forward pass (bounds the logits' memory)
+
+
+class Groups(nn.Module):
+    """The F groups' parameters, stacked: parameter `name` of group g is `self[name][g]`."""
+
+    def __init__(self, model: nn.Module, groups: int):
+        super().__init__()
+        self.names = [name for name, _ in model.named_parameters()]  # a tied lm_head once, as the trainer
+        self.stacked = nn.ParameterList(
+            nn.Parameter(p.detach().unsqueeze(0).expand(groups, *p.shape).clone()) for _, p in model.named_parameters())
+
+    def __getitem__(self, name: str) -> nn.Parameter:
+        return self.stacked[self.names.index(name)]
+
+    def by_name(self) -> dict[str, torch.Tensor]:
+        return dict(zip(self.names, self.stacked))
+
+
+class Simulation:
+    """One run: the model, its F stacked groups, the optimiser, and the aggregation."""
+
+    def __init__(self, cfg, blocks: Blocks, device: torch.device):
+        self.cfg, self.blocks, self.device = cfg, blocks, device
+        self.shape = shape = mesh_shape(cfg)
+        self.steps = total_steps(cfg, blocks, shape.world)
+        model = build_model(llama_config(cfg.model, blocks.vocab_size), device)
+        for p in model.parameters():  # pure low precision, as fldp.model.parallelize
+            p.data = p.data.to(DTYPES[cfg.trainer.precision])
+        init_weights(model, device, cfg.seed)
+        self.model, self.buffers = model, dict(model.named_buffers())
+        self.groups = Groups(model, shape.federation)
+        self.optimizer = build_optimizer(self.groups, cfg.optimizer)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, self.steps)
+        self.fedavg = FedAvgConfig.from_algorithm(cfg.algorithm)
+        self.federated: list[str] = []
+        self.outer = None
+        if self.fedavg is not None:
+            keep = self.fedavg.federated(self.groups.names)
+            self.federated = [n for n, k in zip(self.groups.names, keep) if k]
+            if not self.fedavg.outer.averages:  # one bucket: the anchor is group 0's federated weights
+                self.outer = Outer(self.fedavg.outer, [[self.groups[n][0] for n in self.federated]])
+
+    # --- the model, batched over groups --------------------------------------------------------
+    def _loss(self, params: dict, x: torch.Tensor) -> torch.Tensor:
+        return functional_call(self.model, (params, self.buffers), args=(),
+                               kwargs={"input_ids": x, "labels": x}).loss
+
+    def losses(self, params: dict, x: torch.Tensor) -> torch.Tensor:
+        """Each group's mean loss on its own sequences: params [F, ...], x [F, B, T] -> [F]."""
+        return vmap(self._loss)(params, x)
+
+    def batches(self):
+        """Every step, each group's sequences [F, R*S*batch, T]: the batches of its ranks as each
+        rank of the distributed trainer reads them (ranks r // (R*S) = g, in rank order)."""
+        cfg = self.cfg
+        for x in WorldBatches(self.blocks.train, cfg.trainer.batch_size, self.shape.world, cfg.seed).stream():
+            yield x.reshape(self.shape.federation, -1, x.shape[-1]).to(self.device)
+
+    # --- aggregation -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def average(self) -> list[torch.Tensor]:
+        """The groups' plain average of each federated parameter, summed then divided as the
+        collective does (gloo has no AVG)."""
+        F = self.shape.federation
+        return [self.groups[n].sum(dim=0).div_(F) for n in self.federated]
+
+    @torch.no_grad()
+    def aggregate(self) -> None:
+        """FedAvg, or the outer step on the average; every group continues from the result."""
+        new = self.average()
+        if self.outer is not None:
+            flat = torch.cat([t.reshape(-1) for t in new])
+            self.outer.step(0, flat)
+            new = list(torch.split(flat, [t.numel() for t in new]))
+        for name, value in zip(self.federated, new):
+            self.groups[name].copy_(value.view(self.groups[name].shape[1:]).expand_as(self.groups[name]))
+
+    # --- evaluation ------------------------------------------------------------------------------
+    def held_out(self, ranks: int) -> torch.Tensor:
+        """The held-out sequences `ranks` ranks score in the trainer's evaluation (each rank its
+        RankBatches slice, unshuffled, up to trainer.eval_batches), in another order: the mean is the same)."""
+        cfg, out = self.cfg, []
+        held_out = WorldBatches(self.blocks.eval, cfg.trainer.batch_size, ranks, cfg.seed, shuffle=False)
+        for i, x in enumerate(held_out.epoch(0)):
+            if cfg.trainer.eval_batches is not None and i >= cfg.trainer.eval_batches:
+                break
+            out.append(x.flatten(0, 1))
+        if not out:
+            raise ConfigError(f"dataset.eval_blocks: {len(self.blocks.eval)} held-out blocks are too few for "
+                              f"one batch of {cfg.trainer.batch_size} on each of {ranks} ranks")
+        return torch.cat(out).to(self.device)
+
+    @torch.no_grad()
+    def evaluate(self, params: dict, ranks: int) -> torch.Tensor:
+        """Mean held-out loss of each model in `params` (stacked [G, ...]) on the whole split: [G]."""
+        x = self.held_out(ranks)
+        total = torch.zeros(next(iter(params.values())).shape[0], dtype=torch.float64, device=self.device)
+        for chunk in torch.split(x, EVAL_CHUNK):
+            loss = vmap(self._loss, in_dims=(0, None))(params, chunk)
+            total += loss.double() * len(chunk)  # equal-length sequences: a token mean is a sequence mean
+        return total / len(x)
+
+    def eval_row(self, step: int, groups_differ: bool) -> dict:
+        """As trainer.eval_row: one model; while the groups differ, their average, with each group's
+        own perplexity beside it."""
+        start, extra = time.perf_counter(), {}
+        params = self.groups.by_name()
+        world, F = self.shape.world, self.shape.federation
+        if groups_differ:
+            group_losses = self.evaluate(params, world // F)
+            extra = {"group_perplexity": [math.exp(x) for x in group_losses.tolist()], "averaged": True}
+            averaged = dict(zip(self.federated, self.average()))
+            one = {n: averaged[n] if n in averaged else p[0] for n, p in params.items()}
+        else:
+            one = {n: p[0] for n, p in params.items()}
+        loss = self.evaluate({n: p.unsqueeze(0) for n, p in one.items()}, world).item()
+        return {"split": "eval", "step": step, "loss": loss, "perplexity": math.exp(loss),
+                "time_eval": time.perf_counter() - start, **extra}
+
+    # --- the run ---------------------------------------------------------------------------------
+    def run(self, run_dir: str) -> dict:
+        cfg, shape, steps = self.cfg, self.shape, self.steps
+        tokens_per_step = shape.world * cfg.trainer.batch_size * self.blocks.train.shape[1]
+        recorder = Recorder(run_dir, cfg, steps, cfg.trainer.progress)
+        batches, train_time, row = self.batches(), 0.0, {}
+        for step in range(1, steps + 1):
+            times, t0 = {}, time.perf_counter()
+            x = next(batches)
+            lr = self.scheduler.get_last_lr()[0]
+            losses = self.losses(self.groups.by_name(), x)
+            times["forward"] = time.perf_counter() - t0
+            losses.sum().backward()  # group g's parameters get the gradient of group g's loss alone
+            times["backward"] = time.perf_counter() - t0 - times["forward"]
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            times["optimizer"] = time.perf_counter() - t0 - times["forward"] - times["backward"]
+            aggregated = self.fedavg is not None and self.fedavg.due(step, steps)
+            if aggregated:
+                self.aggregate()
+            step_time = time.perf_counter() - t0
+            times["aggregation"] = step_time - sum(times.values()) if aggregated else 0.0
+            mean_loss = losses.mean().item()  # every group has R*S ranks: the mean over ranks
+            if not math.isfinite(mean_loss):
+                raise FloatingPointError(f"non-finite loss ({mean_loss}) at step {step}: stopping")
+            train_time += step_time
+            row = {"step": step, "loss": mean_loss, "perplexity": math.exp(mean_loss), "lr": lr,
+                   "tokens": step * tokens_per_step, **{f"time_{p}": times[p] for p in PHASES},
+                   "time_step": step_time, "aggregated": aggregated}
+            recorder.log(row)
+            if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step != steps:
+                recorder.log(self.eval_row(step, self.fedavg is not None and not aggregated))
+        final = self.eval_row(steps, groups_differ=False)
+        recorder.log(final)
+        summary = run_summary(cfg, shape, self.fedavg, steps, shape.world, tokens_per_step, train_time, row, final)
+        recorder.finish(summary)
+        return summary
+
+
+def run(cfg, run_dir: str, blocks: Blocks) -> dict:
+    """`cluster=simulate`: the whole run in this process."""
+    if cfg.cluster.threads:
+        torch.set_num_threads(cfg.cluster.threads)
+    return Simulation(cfg, blocks, torch.device(cfg.cluster.device)).run(run_dir)

@@ -1,0 +1,84 @@
+"""cluster=simulate (fldp/simulate.py) computes what the distributed trainer computes: the same losses
+step by step and the same final evaluation, for every algorithm, from one process."""
+import json
+
+import pytest
+import torch
+
+from conftest import cli, compose_cfg, read_rows, train_world
+from fldp.data import RankBatches, WorldBatches, prepare
+from fldp.simulate import Simulation
+
+# enough steps for 3 aggregations, a learning rate at which the loss moves (3e-4 barely leaves the
+# initial loss in 12 tiny steps), and more than one held-out batch per rank
+COMMON = ["topology=local_8", "trainer.steps=12", "algorithm.every=4", "optimizer.lr=1e-2",
+          "trainer.eval_batches=2", "trainer.precision=fp32"]
+ALGORITHMS = {
+    "fsdp": ["algorithm=fsdp"],
+    "hsdp": ["algorithm=hsdp"],
+    "fl_fsdp": ["algorithm=fl_fsdp"],
+    "fl_hsdp": ["algorithm=fl_hsdp", "algorithm.fedavg.mode=leader_broadcast"],
+    "fl_hsdp_all_replicas": ["algorithm=fl_hsdp", "algorithm.fedavg.mode=all_replicas"],
+    "diloco_hsdp": ["algorithm=diloco_hsdp"],
+}
+TOLERANCE = 1e-5
+
+
+def simulate(cfg, run_dir) -> tuple[list[float], float]:
+    summary = Simulation(cfg, prepare(cfg.dataset), torch.device("cpu")).run(str(run_dir))
+    return [r["loss"] for r in read_rows(run_dir)], summary["eval_loss"]
+
+
+@pytest.mark.parametrize("world, batch, shuffle", [(8, 2, True), (6, 3, True), (5, 2, False)])
+def test_world_batches_are_every_ranks_batches(world, batch, shuffle):
+    """The simulator's data: rank r's row of each step is RankBatches' (DistributedSampler's) batch
+    for rank r, across epoch boundaries; 50 blocks do not divide by 6 or 4 (dropped tails)."""
+    blocks = torch.arange(50 * 3).view(50, 3)
+    ranks = [RankBatches(blocks, batch, r, world, seed=7, shuffle=shuffle).stream() for r in range(world)]
+    together = WorldBatches(blocks, batch, world, seed=7, shuffle=shuffle).stream()
+    for _ in range(3 * (50 // world // batch) + 1):
+        assert torch.equal(next(together), torch.stack([next(r) for r in ranks]))
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_simulator_agrees_with_the_distributed_trainer(name, tmp_path):
+    cfg = compose_cfg(*ALGORITHMS[name], *COMMON)
+    trained = [r["loss"] for r in train_world(cfg, tmp_path / "trainer")]
+    trained_eval = json.loads((tmp_path / "trainer" / "summary.json").read_text())["eval_loss"]
+    simulated, simulated_eval = simulate(compose_cfg(*ALGORITHMS[name], *COMMON, "cluster=simulate"),
+                                         tmp_path / "sim")
+    assert len(simulated) == len(trained) == 12
+    assert trained[-1] < trained[0] - 0.2  # it learnt something: the comparison is not of flat lines
+    worst = max(abs(a - b) for a, b in zip(simulated, trained))
+    assert worst <= TOLERANCE, f"{name}: per-step losses differ by up to {worst:.2e}\n{simulated}\n{trained}"
+    assert abs(simulated_eval - trained_eval) <= TOLERANCE, (simulated_eval, trained_eval)
+
+
+def test_hsdp_is_fsdp_in_the_simulator(tmp_path):
+    """Inside a group the layout is only where the work runs: HSDP and FSDP on the same pool are the
+    same full-batch step, so the simulator gives them the same records to the bit."""
+    fsdp = simulate(compose_cfg("algorithm=fsdp", *COMMON, "cluster=simulate"), tmp_path / "fsdp")
+    hsdp = simulate(compose_cfg("algorithm=hsdp", *COMMON, "cluster=simulate"), tmp_path / "hsdp")
+    assert fsdp == hsdp
+
+
+@pytest.mark.timeout(300)
+def test_the_paper_shape_runs_from_the_command_line(tmp_path):
+    """+experiment=paper_shape is the paper's 512-rank layouts in one process (2 steps here)."""
+    out = cli("+experiment=paper_shape", "algorithm=fl_fsdp", "trainer.steps=2", "dataset.eval_blocks=1024",
+              f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["federation"], summary["replicate"], summary["shard"], summary["world_size"]) == (128, 1, 4, 512)
+    assert summary["executor"] == "simulator" and summary["network"] == "none"
+    assert summary["tokens"] == 2 * 512 * 2 * 16
+
+
+@pytest.mark.parametrize("override, words", [
+    ("trainer.checkpoint_every=4", "keeps no checkpoints"),
+    ("comm.emulate=true", "nothing to emulate"),
+])
+def test_what_the_simulator_cannot_do_is_refused(override, words, tmp_path):
+    out = cli("cluster=simulate", override, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert out.returncode == 2 and words in out.stderr, out.stderr[-2000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
