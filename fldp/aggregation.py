@@ -9,10 +9,14 @@ is handed to torch's SGD or Adam over the anchor, and every group continues from
 FedAvg is outer SGD with lr 1 and no momentum; it takes the average as it is (bit for bit, no anchor
 kept). Anchor and outer state are flat fp32 tensors per bucket, on this rank only (its own shards).
 
+A `reduce_dtype` other than the parameters' reduces the change since the last aggregation (local
+minus anchor, or minus a copy of the weights then: the reference), never the weights: rounding
+them, or the anchor, at every aggregation would move a model no group changed.
+
 The average is reduced in place: each bucket is one persistent flat tensor and FSDP2's local shards
 are views of it, so an aggregation is one all-reduce per bucket and no copy (copying 9.6 MiB into a
-bucket and back cost ~4.8 ms beside a 12.6 ms all-reduce on a 2-core CPU). A shard FSDP2 pads, and
-every shard when `reduce_dtype` casts, is still copied into its bucket and back.
+bucket and back cost ~4.8 ms beside a 12.6 ms all-reduce on a 2-core CPU). A shard FSDP2 pads is
+still copied into its bucket and back; a bucket whose `reduce_dtype` casts packs the change.
 
 Averaging is only correct if shard k of parameter p is the same slice of the same tensor in every
 group, so that is checked on construction, before anything is averaged (a silent average of
@@ -34,6 +38,11 @@ from .mesh import ConfigError, MeshShape
 
 MODES = ("leader_broadcast", "all_replicas")
 OUTER = ("sgd", "adam")
+# What algorithm.outer's null lr / eps mean, per optimiser. sgd: lr 1 (with momentum 0: FedAvg).
+# adam: FedAdam's server lr and tau (= eps) of Reddi et al. 2021, 1e-3 each, with torch's bias
+# correction (their Algorithm 2 has none): the first step is about lr * sign(delta), so the shared
+# lr 1 would move every weight by ~1 (init std 0.02). sgd's eps is unused.
+OUTER_DEFAULTS = {"sgd": {"lr": 1.0, "eps": 1e-8}, "adam": {"lr": 1e-3, "eps": 1e-3}}
 REDUCE_DTYPES = {None: None, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -45,17 +54,20 @@ class ShardMismatchError(RuntimeError):
 class OuterConfig:
     """The outer optimiser on the pseudo-gradient (algorithm.outer)."""
     name: str = "sgd"
-    lr: float = 1.0
+    lr: float | None = None            # None: OUTER_DEFAULTS[name]
     momentum: float = 0.0
     nesterov: bool = False
     betas: tuple = (0.9, 0.99)
-    eps: float = 1e-8
+    eps: float | None = None           # None: OUTER_DEFAULTS[name]
     reduce_dtype: str | None = None   # None: the parameters' dtype (the authors' bf16 all-reduce)
 
     def __post_init__(self):
         from .schema import check_values  # the schema imports this module's names
 
         check_values({f"algorithm.outer.{k}": getattr(self, k) for k in self.__dataclass_fields__})
+        for key, value in OUTER_DEFAULTS[self.name].items():
+            if getattr(self, key) is None:
+                object.__setattr__(self, key, value)
         if self.nesterov and not self.momentum:
             raise ConfigError(f"algorithm.outer.nesterov=True: needs algorithm.outer.momentum > 0, "
                               f"not {self.momentum!r}")
@@ -158,9 +170,10 @@ class FedAvg:
     outer optimiser) steps the anchor with the pseudo-gradient."""
 
     def __init__(self, model, mesh, shape: MeshShape, config: FedAvgConfig, last_step: int, resident: bool = True):
-        self.config, self.shape, self.last_step = config, shape, last_step
+        self.config, self.shape, self.last_step, self.model = config, shape, last_step, model
         named = list(model.named_parameters())
-        self.params = [p for (_, p), keep in zip(named, config.federated([n for n, _ in named])) if keep]
+        self.named = [(n, p) for (n, p), keep in zip(named, config.federated([n for n, _ in named])) if keep]
+        self.params = [p for _, p in self.named]
         self.federation = mesh["federation"].get_group()
         self.replicate = mesh["replicate"].get_group()
         self.replica_index = mesh["replicate"].get_local_rank()
@@ -182,7 +195,15 @@ class FedAvg:
         owners = _fsdp_params(model) if resident else {}
         for bucket in self.buckets:
             self.resident.append(self._adopt(bucket, owners))
-        self.outer = Outer(config.outer, self.buckets) if self.leads and not config.outer.averages else None
+        # (name, parameter, its local tensor) as built: the guard's view of every shard averaged
+        self._sources = [(n, p, _local(p)) for n, p in self.named if _local(p).numel()]
+        # per casting bucket: the weights at the last aggregation, in the parameters' dtype; the same
+        # in every group, so the groups' mean change lands them all on the groups' average
+        self.reference = [self._reference(b) if self.reduce_dtype not in (None, b[0].dtype) else None
+                          for b in self.buckets]
+        self.outer = (Outer(config.outer, [ref if ref is not None else torch.cat([t.reshape(-1) for t in b])
+                                           for ref, b in zip(self.reference, self.buckets)])
+                      if self.leads and not config.outer.averages else None)
 
     def due(self, step: int) -> bool:
         """Aggregate every A steps (of the schedule's phase) and at the last step, so all groups
@@ -190,8 +211,7 @@ class FedAvg:
         return self.config.due(step, self.last_step)
 
     def _buckets(self, bucket_bytes: int) -> list[list[torch.Tensor]]:
-        # the DTensor's own local tensor: to_local() of a Parameter returns a fresh view of it
-        locals_ = [p._local_tensor if isinstance(p, DTensor) else p for p in self.params]
+        locals_ = [_local(p) for p in self.params]
         # FSDP2 can leave a rank an empty shard of a small parameter: nothing to send
         locals_ = [t for t in locals_ if t.numel()]
         groups = bucket_indices([(t.numel() * t.element_size(), t.dtype) for t in locals_], bucket_bytes)
@@ -233,16 +253,28 @@ class FedAvg:
         self._hosted.append(tuple(hosted))
         return flat
 
-    def _check_resident(self) -> None:
-        """Whatever replaces a parameter's storage after FedAvg was built (nn.Module._apply,
-        load_state_dict(assign=True), FSDP2 re-padding it) would leave FSDP2 all-gathering values
-        FedAvg no longer writes: fail loudly rather than train on silently diverged shards."""
+    @torch.no_grad()
+    def _reference(self, bucket: list[torch.Tensor]) -> torch.Tensor:
+        """The bucket's weights, group 0's in every group (they start alike; where not, the first
+        aggregation still gives the groups' average)."""
+        ref = torch.cat([t.reshape(-1) for t in bucket])
+        dist.broadcast(ref, group=self.federation, group_src=0)
+        return ref
+
+    def _check_live(self) -> None:
+        """Whatever replaces a parameter or its local shard after FedAvg was built (nn.Module._apply,
+        load_state_dict(assign=True), FSDP2 re-padding it) leaves the buckets, resident or copied,
+        reading and writing tensors the model no longer uses: fail loudly rather than silently stop
+        federating."""
+        live = dict(self.model.named_parameters())
+        stale = any(live.get(name) is not p or _local(p) is not local for name, p, local in self._sources)
         for hosted in self._hosted:
             for owner, local, ptr in hosted:
-                if not (owner.sharded_param._local_tensor is local and local.data_ptr() == ptr
-                        and owner._sharded_param_data.data_ptr() == ptr):
-                    raise RuntimeError("FedAvg: a parameter's local shard was replaced after FedAvg was built "
-                                       "(model.to(), load_state_dict(assign=True), ...); build FedAvg after it")
+                stale |= not (owner.sharded_param._local_tensor is local and local.data_ptr() == ptr
+                              and owner._sharded_param_data.data_ptr() == ptr)
+        if stale:
+            raise RuntimeError("FedAvg: a parameter's local shard was replaced after FedAvg was built "
+                               "(model.to(), load_state_dict(assign=True), ...); build FedAvg after it")
 
     @torch.no_grad()
     def __call__(self, outer_step: bool = True) -> None:
@@ -252,7 +284,7 @@ class FedAvg:
         cast to reduce_dtype) first waits for the bucket that last used that buffer, so its packing
         overlaps the reduction of the one before, and nothing is allocated per aggregation.
         outer_step=False: the plain average, whatever the outer optimiser (an evaluation of it)."""
-        self._check_resident()
+        self._check_live()
         pending: collections.deque = collections.deque()
         for i, bucket in enumerate(self.buckets):
             flat = self.resident[i]
@@ -260,7 +292,10 @@ class FedAvg:
                 while pending and pending[0][0] <= i - 2:  # bucket i - 2 packed into this buffer
                     self._finish(*pending.popleft(), outer_step)
                 flat = self._buffer(bucket, i % 2)
-            _pack(bucket, flat, self._copied[i])
+            if self.reference[i] is None:
+                _pack(bucket, flat, self._copied[i])
+            else:
+                _pack_change(bucket, self._base(i), flat)
             work = dist.all_reduce(flat, group=self.federation, async_op=True) if self.leads else None
             pending.append((i, bucket, flat, work))
         while pending:
@@ -274,13 +309,27 @@ class FedAvg:
             self._buffers[key] = torch.empty(numel, dtype=dtype, device=bucket[0].device)
         return self._buffers[key][:numel]
 
+    def _base(self, index: int) -> torch.Tensor:
+        """What a casting bucket's change is taken from: the anchor, or the reference."""
+        return self.outer.anchors[index] if self.outer is not None else self.reference[index]
+
     def _finish(self, index, bucket, flat, work, outer_step: bool) -> None:
+        ref = self.reference[index]
         if work is not None:
             work.wait()
             # gloo has no AVG: sum, then divide (identical bits on every rank of the group)
             flat.div_(self.shape.federation)
-            if self.outer is not None and outer_step:
-                self.outer.step(index, flat)
+            if ref is not None:  # flat: the groups' mean change; the new weights into ref
+                if not outer_step:
+                    flat = (self._base(index) + flat).to(ref.dtype)  # the average; ref kept
+                elif self.outer is not None:
+                    flat = ref.copy_(self.outer.step(index, -flat.float()))  # anchor - average
+                else:
+                    flat = ref.add_(flat)
+            elif self.outer is not None and outer_step:
+                flat.copy_(self.outer.step(index, self.outer.anchors[index] - flat.float()))
+        elif ref is not None:  # a replica the leader hands the new weights to
+            flat = ref if outer_step else torch.empty_like(ref)
         if self.broadcast:
             dist.broadcast(flat, group=self.replicate, group_src=0)
         _unpack(bucket, flat, self._copied[index])
@@ -301,11 +350,15 @@ class FedAvg:
 
     # the outer state, for checkpoints (fldp.checkpoint saves registered stateful components)
     def state_dict(self) -> dict:
-        return self.outer.state_dict() if self.outer is not None else {}
+        refs = {f"reference_{i}": ref for i, ref in enumerate(self.reference) if ref is not None}
+        return {**(self.outer.state_dict() if self.outer is not None else {}), **refs}
 
     def load_state_dict(self, state: dict) -> None:
         if self.outer is not None:
             self.outer.load_state_dict(state)
+        for i, ref in enumerate(self.reference):
+            if ref is not None:
+                ref.copy_(state[f"reference_{i}"])
 
 
 class Outer:
@@ -313,8 +366,9 @@ class Outer:
     rank's shards of the weights at the last aggregation. The pseudo-gradient is anchor - average;
     after the step the anchor is the new model for every group."""
 
-    def __init__(self, config: OuterConfig, buckets: list[list[torch.Tensor]]):
-        self.anchors = [torch.cat([t.detach().reshape(-1).float() for t in bucket]) for bucket in buckets]
+    def __init__(self, config: OuterConfig, starts: list[torch.Tensor]):
+        """starts: each bucket's weights, flat."""
+        self.anchors = [start.detach().to(torch.float32, copy=True) for start in starts]
         if config.name == "sgd":
             make = lambda a: torch.optim.SGD([a], lr=config.lr, momentum=config.momentum,  # noqa: E731
                                              nesterov=config.nesterov)
@@ -330,13 +384,13 @@ class Outer:
                 optimizer.state[anchor].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(anchor),
                                                exp_avg_sq=torch.zeros_like(anchor))
 
-    def step(self, index: int, average: torch.Tensor) -> None:
-        """Step anchor `index` with the pseudo-gradient; write the new weights into `average`."""
+    def step(self, index: int, pseudo_gradient: torch.Tensor) -> torch.Tensor:
+        """Step anchor `index` with the pseudo-gradient (anchor - average, fp32); returns it."""
         anchor = self.anchors[index]
-        anchor.grad = anchor - average.float()
+        anchor.grad = pseudo_gradient
         self.optimizers[index].step()
         anchor.grad = None
-        average.copy_(anchor)
+        return anchor
 
     def state_dict(self) -> dict:
         out = {}
@@ -370,6 +424,21 @@ def _pack(bucket: list[torch.Tensor], flat: torch.Tensor, which: list[int]) -> N
         return
     for t, slot in _slots(bucket, flat, which):
         slot.copy_(t.reshape(-1))
+
+
+def _pack_change(bucket: list[torch.Tensor], base: torch.Tensor, flat: torch.Tensor) -> None:
+    """flat = the bucket's shards - base, computed in the wider dtype, rounded once to flat's."""
+    every = range(len(bucket))
+    for (t, slot), (_, b) in zip(_slots(bucket, flat, every), _slots(bucket, base, every)):
+        if torch.promote_types(slot.dtype, t.dtype) == slot.dtype:  # widen first: bf16 - bf16 rounds to bf16
+            slot.copy_(t.reshape(-1)).sub_(b)
+        else:
+            torch.sub(t.reshape(-1), b, out=slot)
+
+
+def _local(p) -> torch.Tensor:
+    """The DTensor's own local tensor: to_local() of a Parameter returns a fresh view of it."""
+    return p._local_tensor if isinstance(p, DTensor) else p
 
 
 def _unpack(bucket: list[torch.Tensor], flat: torch.Tensor, which: list[int]) -> None:

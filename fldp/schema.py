@@ -169,11 +169,11 @@ KEYS: dict[str, Spec] = {
     "algorithm.fedavg.mode": Choice(*MODES, optional=True),
     "algorithm.outer": Section(optional=True, when=FEDAVG),
     "algorithm.outer.name": Choice(*OUTER),
-    "algorithm.outer.lr": Num(gt=0),
+    "algorithm.outer.lr": Num(gt=0, null=True),   # null: the optimiser's own (OUTER_DEFAULTS)
     "algorithm.outer.momentum": Num(ge=0, lt=1),
     "algorithm.outer.nesterov": Bool(),
     "algorithm.outer.betas": ListOf("a list of 2 numbers in [0, 1)", item=Num(ge=0, lt=1), length=2),
-    "algorithm.outer.eps": Num(gt=0),
+    "algorithm.outer.eps": Num(gt=0, null=True),   # null: the optimiser's own (OUTER_DEFAULTS)
     "algorithm.outer.reduce_dtype": Choice(*REDUCE_DTYPES),
     "algorithm.federate": ListOf("a list of regular expressions", item=Spec("a regular expression", _compiles),
                                  optional=True, when=FEDAVG),

@@ -1,5 +1,6 @@
 """FedAvg across federation groups, on real processes over gloo."""
 import gc
+import json
 import math
 import os
 import weakref
@@ -210,3 +211,52 @@ def _copied_alike_worker(cfg, out, device):
 def test_in_place_and_packed_fedavg_give_the_same_bits(tmp_path):
     run_world(_copied_alike_worker, 4, compose_cfg(), str(tmp_path))
     assert (tmp_path / "ok").exists()
+
+
+# each kind of FedAvg bucket: (FedAvg's resident flag, reduce_dtype, federated parameters)
+BUCKET_KINDS = {
+    "resident": (True, None, [".*"]),                          # FSDP2's shards are views of the bucket
+    "copied (resident=False)": (False, None, [".*"]),          # trainer.async_save
+    "copied (casting reduce_dtype)": (True, "bf16", [".*"]),   # fp32 weights, bf16 all-reduce
+    "padded": (True, None, [r".*\.(gate|up)_proj\.weight"]),   # shard 1's: 85 of 86 rows, copied
+}
+
+
+def _stale_worker(cfg, out, device):
+    """FL+FSDP 2x1x2 with an odd MLP width (padded shards on shard 1): for every bucket kind, a
+    model whose parameters are replaced after FedAvg was built (load_state_dict(assign=True)) stops
+    the next aggregation on every rank."""
+    shape = MeshShape(2, 1, 2)
+    mesh = build_mesh(shape, "cpu")
+    model_cfg = cfg.model.copy()
+    model_cfg.intermediate_size = 171
+    _, _, s = shape.coords(dist.get_rank())
+    refused = {}
+    for kind, (resident, reduce_dtype, federate) in BUCKET_KINDS.items():
+        torch.manual_seed(0)
+        model = parallelize(build_model(llama_config(model_cfg, 512)), group_mesh(mesh, shape), torch.float32)
+        config = FedAvgConfig(every=1, federate=tuple(federate), outer=OuterConfig(reduce_dtype=reduce_dtype))
+        fedavg = FedAvg(model, mesh, shape, config, last_step=2, resident=resident)
+        built = ["resident" if flat is not None else "copied" for flat in fedavg.resident]
+        assert built == ["copied" if kind != "resident" and (kind != "padded" or s == 1) else "resident"], built
+        fedavg()
+        model.load_state_dict(model.state_dict(), assign=True)
+        try:
+            fedavg()
+            refused[kind] = False
+        except RuntimeError as e:
+            refused[kind] = "replaced after FedAvg was built" in str(e)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, refused)
+    if dist.get_rank() == 0:
+        with open(os.path.join(out, "refused.json"), "w") as f:
+            json.dump(everyone, f)
+
+
+def test_a_replaced_parameter_stops_every_kind_of_bucket(tmp_path):
+    """Copied buckets (resident=False, a casting reduce_dtype, padded shards) used to keep averaging
+    the tensors captured when FedAvg was built: the model's live parameters silently stopped being
+    federated. Every kind now refuses, as resident buckets did."""
+    run_world(_stale_worker, 4, compose_cfg(), str(tmp_path))
+    refused = json.loads((tmp_path / "refused.json").read_text())
+    assert refused == [{kind: True for kind in BUCKET_KINDS}] * 4, refused

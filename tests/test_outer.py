@@ -1,11 +1,14 @@
 """Outer optimisers (FedAvg, DiLoCo, FedAdam) against an independent single-process reference, the
 aggregation schedule, partial federation and the precision of the cross-group average."""
 import json
+import math
+import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from analysis.stats import TIE
 from conftest import Snapshot, compose_cfg, identical, read_rows, run_world, train_world
 from fldp.data import RankBatches, prepare
 from fldp.model import build_model, init_weights, llama_config
@@ -173,3 +176,72 @@ def test_a_new_algorithm_is_one_yaml(tmp_path):
     b = train_world(compose_cfg("algorithm=fl_hsdp", *common, *OUTERS["diloco"]), tmp_path / "old")
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
     assert json.loads((tmp_path / "new" / "summary.json").read_text())["algorithm"] == "diloco_hsdp"
+
+
+def test_fedadam_with_its_defaults_stays_near_fedavg(tmp_path):
+    """algorithm.outer.name=adam alone: lr and eps null mean FedAdam's own (1e-3 each). With the
+    shared lr 1 its first (bias-corrected) step, ~lr * sign(delta), moved every weight by ~1 and the
+    loss went from 8.3 to 36 after the first aggregation."""
+    common = ["algorithm=fl_fsdp", "topology=local_2", "trainer.steps=8", "algorithm.every=4"]
+    fedavg = train_world(compose_cfg(*common), tmp_path / "fedavg")
+    adam = train_world(compose_cfg(*common, "algorithm.outer.name=adam"), tmp_path / "adam")
+    pairs = [(a["loss"], b["loss"]) for a, b in zip(adam + read_rows(tmp_path / "adam", "eval"),
+                                                    fedavg + read_rows(tmp_path / "fedavg", "eval"))]
+    assert len(pairs) == 9 and all(math.isfinite(a) and abs(a - b) <= TIE * max(a, b) for a, b in pairs), pairs
+    outer = json.loads((tmp_path / "adam" / "summary.json").read_text())["outer"]
+    assert (outer["name"], outer["lr"], outer["eps"]) == ("adam", 1e-3, 1e-3)
+    assert json.loads((tmp_path / "fedavg" / "summary.json").read_text())["outer"]["lr"] == 1.0
+
+
+# the outer optimisers as FedAvgConfig takes them: FedAvg, DiLoCo, FedAdam (its defaults)
+OUTER_CONFIGS = {"fedavg": {}, "diloco": {"lr": 0.7, "momentum": 0.9, "nesterov": True}, "fedadam": {"name": "adam"}}
+
+
+def _identical_groups_worker(cfg, out, device):
+    """2 groups: for every parameter dtype, reduce dtype and outer optimiser, groups holding the same
+    weights are aggregated twice (weights and anchor must not move); then group 1's weights change
+    and one more aggregation must leave both groups with the same weights again."""
+    from fldp.aggregation import FedAvg, FedAvgConfig, OuterConfig
+    from fldp.mesh import MeshShape, build_mesh, group_mesh
+    from fldp.model import parallelize
+
+    shape = MeshShape(2, 1, 1)
+    mesh = build_mesh(shape, "cpu")
+    fed = mesh["federation"].get_group()
+    moved = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for reduce_dtype in (None, "bf16", "fp32"):
+            for name, outer in OUTER_CONFIGS.items():
+                case = f"{str(dtype)[6:]} params, reduce_dtype={reduce_dtype}, {name}"
+                torch.manual_seed(0)  # the same weights in both groups
+                model = parallelize(build_model(llama_config(cfg.model, 512)), group_mesh(mesh, shape), dtype)
+                before = [p.to_local().clone() for p in model.parameters()]
+                config = FedAvgConfig(every=1, bucket_mb=0.05, outer=OuterConfig(reduce_dtype=reduce_dtype, **outer))
+                fedavg = FedAvg(model, mesh, shape, config, last_step=3)
+                anchors = [a.clone() for a in fedavg.outer.anchors] if fedavg.outer else []
+                fedavg()
+                fedavg()
+                if not all(torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters())):
+                    moved.append(f"{case}: the weights")
+                if not all(torch.equal(a, b) for a, b in zip(anchors, fedavg.outer.anchors if fedavg.outer else [])):
+                    moved.append(f"{case}: the anchor")
+                with torch.no_grad():  # the groups differ: after an aggregation they agree again
+                    for p in model.parameters():
+                        p.to_local().add_(torch.randn_like(p.to_local()) * 0.01 * dist.get_rank())
+                fedavg()
+                mine = torch.cat([p.to_local().reshape(-1).float() for p in model.parameters()])
+                both = [torch.empty_like(mine) for _ in range(2)]
+                dist.all_gather(both, mine, group=fed)
+                if not torch.equal(*both):
+                    moved.append(f"{case}: the groups differ after an aggregation")
+    if dist.get_rank() == 0:
+        with open(os.path.join(out, "moved.json"), "w") as f:
+            json.dump(moved, f)
+
+
+def test_aggregating_identical_groups_changes_nothing_in_any_reduce_dtype(tmp_path):
+    """The all-reduce's dtype (algorithm.outer.reduce_dtype) rounds what is reduced, never the weights
+    or the anchor: fp32 weights reduced in bf16 used to be rounded to bf16 at every aggregation (all
+    of them changed, DiLoCo's anchor by up to 1.2e-3) with no group having trained at all."""
+    run_world(_identical_groups_worker, 2, compose_cfg(), str(tmp_path))
+    assert json.loads((tmp_path / "moved.json").read_text()) == []
