@@ -78,7 +78,8 @@ class Simulation:
             keep = self.fedavg.federated(self.groups.names)
             self.federated = [n for n, k in zip(self.groups.names, keep) if k]
             if not self.fedavg.outer.averages:  # one bucket: the anchor is group 0's federated weights
-                self.outer = Outer(self.fedavg.outer, [[self.groups[n][0] for n in self.federated]])
+                self.outer = Outer(self.fedavg.outer, [torch.cat([self.groups[n][0].reshape(-1)
+                                                                  for n in self.federated])])
 
     # --- the model, batched over groups --------------------------------------------------------
     def _loss(self, params: dict, x: torch.Tensor) -> torch.Tensor:
@@ -109,9 +110,9 @@ class Simulation:
         """FedAvg, or the outer step on the average; every group continues from the result."""
         new = self.average()
         if self.outer is not None:
-            flat = torch.cat([t.reshape(-1) for t in new])
-            self.outer.step(0, flat)
-            new = list(torch.split(flat, [t.numel() for t in new]))
+            average = torch.cat([t.reshape(-1) for t in new])
+            anchor = self.outer.step(0, self.outer.anchors[0] - average.float())  # the pseudo-gradient
+            new = list(torch.split(anchor.to(average.dtype), [t.numel() for t in new]))
         for name, value in zip(self.federated, new):
             self.groups[name].copy_(value.view(self.groups[name].shape[1:]).expand_as(self.groups[name]))
 

@@ -65,6 +65,10 @@ def check_simulation(cfg) -> None:
                           "short enough to run again)")
     if cfg.comm.emulate:
         raise ConfigError("comm.emulate=true: cluster=simulate sends nothing to emulate")
+    reduce_dtype = (cfg.algorithm.get("outer") or {}).get("reduce_dtype")
+    if cfg.algorithm.get("aggregation") and reduce_dtype not in (None, cfg.trainer.precision):
+        raise ConfigError(f"algorithm.outer.reduce_dtype={reduce_dtype}: cluster=simulate reduces in the "
+                          f"parameters' dtype ({cfg.trainer.precision}) only; use null")
     if cfg.cluster.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("cluster.device=cuda: no CUDA device here")
 

@@ -77,6 +77,7 @@ def test_the_paper_shape_runs_from_the_command_line(tmp_path):
 @pytest.mark.parametrize("override, words", [
     ("trainer.checkpoint_every=4", "keeps no checkpoints"),
     ("comm.emulate=true", "nothing to emulate"),
+    ("algorithm.outer.reduce_dtype=bf16", "reduces in the parameters' dtype"),
 ])
 def test_what_the_simulator_cannot_do_is_refused(override, words, tmp_path):
     out = cli("cluster=simulate", override, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
