@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from fldp.aggregation import aggregation_steps, schedule_of
+
 from .records import Run
 from .render import HEADERS3
 from .stats import TIE, TIE_HIGH, TIE_LOW
@@ -179,12 +181,13 @@ def quote_notes(ratios: pd.DataFrame) -> list[str]:
 def periodic_aggregation(runs: list[Run]) -> tuple[str, str]:
     """FL's aggregation runs (and costs time) only every A steps and at the last step; the other
     algorithms never aggregate. The paper's evidence is Table 4's aggregation column (0 for FSDP
-    and HSDP, std > mean for FL: rare spikes); here every step's record is checked."""
+    and HSDP, std > mean for FL: rare spikes); here every step's record is checked, against the
+    steps the run's A or schedule names (fldp.aggregation.aggregation_steps, the trainer's rule)."""
     bad, fl = [], 0
     for run in runs:
         s, every = run.steps, run.summary.get("every")
         last = int(s["step"].iloc[-1])
-        expected = set(range(every, last + 1, every)) | {last} if every else set()
+        expected = set(aggregation_steps(schedule_of(every), last)) if every else set()
         fl += bool(every)
         done = set(s.loc[s["aggregated"].astype(bool), "step"])
         t = s["time_aggregation"]

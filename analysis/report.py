@@ -20,8 +20,8 @@ from .figure import perplexity_figure, save
 from .records import Run
 
 # Summary/config keys that differ between algorithms by design (they ARE the algorithm).
-_ALGORITHM_KEYS = ("algorithm", "federation", "replicate", "shard", "every", "fedavg_mode", "outer", "federate",
-                   "config.algorithm.")
+_ALGORITHM_KEYS = ("algorithm", "federation", "replicate", "shard", "every", "schedule", "aggregation_steps",
+                   "fedavg_mode", "outer", "federate", "config.algorithm.")
 
 
 @dataclass

@@ -22,7 +22,8 @@ TABLE4 = (*PHASES, "overall")
 def _is_result(key: str) -> bool:
     return key == "seed" or key.startswith(("train_", "eval_")) or key.endswith("_s")
 
-DERIVED = {"tokens", "world_size"}  # follow from other settings; never worth a label
+# follow from other settings (schedule, aggregation_steps: from every and steps); never worth a label
+DERIVED = {"tokens", "world_size", "schedule", "aggregation_steps"}
 
 
 def setup(run: Run) -> dict:

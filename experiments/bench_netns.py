@@ -10,9 +10,10 @@ interleaved, then per algorithm
 
 and the step-time ratios FSDP / FL+FSDP, HSDP / FL+FSDP, FL+HSDP / FL+FSDP, measured against
 predicted (= loopback step + predicted communication; goal: within 15%). A step's time is amortised
-over A: median of the steps without aggregation + (median of those with it - that) / A, step 1
-(start-up) left out; then the median over repeats, since this machine's 2 cores are shared. Runs go
-through fldp.launch.run_local and the trainer in this process (as `python -m fldp.train` does after
+as the cost model does, over the run: median of the steps without aggregation + (median of those
+with it - that) x the share of the run's steps that aggregate, step 1 (start-up) left out of the
+medians; then the median over repeats, since this machine's 2 cores are shared. Runs go through
+fldp.launch.run_local and the trainer in this process (as `python -m fldp.train` does after
 validation), so a run costs seconds of start-up, not tens. Needs root and iproute2.
 
     python experiments/bench_netns.py [--topology netns_2x4] [--steps 16] [--repeats 5] [--json OUT] [OVERRIDES]
@@ -50,13 +51,15 @@ def compose_cfg(*overrides):
         return compose("config", overrides=list(overrides))
 
 
-def amortised(rows: list[dict], key: str, every: int | None) -> float:
-    """Median of the steps without aggregation + (median of those with it - that) / A; step 1
-    (start-up) left out."""
+def amortised(rows: list[dict], key: str) -> float:
+    """Median of the steps without aggregation + (median of those with it - that) x the share of the
+    run's steps that aggregate (the last always does: fldp.cost amortises alike); step 1 (start-up)
+    left out of the medians."""
+    share = sum(bool(r["aggregated"]) for r in rows) / len(rows)
     rows = [r for r in rows if r["step"] > 1]
     plain = statistics.median(r[key] for r in rows if not r["aggregated"])
     agg = [r[key] for r in rows if r["aggregated"]]
-    return plain + (statistics.median(agg) - plain) / every if agg and every else plain
+    return plain + (statistics.median(agg) - plain) * share if agg else plain
 
 
 def _link_tx() -> int:
@@ -100,11 +103,10 @@ def run(cfg, blocks, tmp: Path) -> dict:
     run_local(_train, (cfg, str(run_dir), blocks, meter), shape.world, "cpu", cfg.cluster, network=network)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["network"] == ("netns" if network else "loopback"), summary["network"]
-    every = cfg.algorithm.every if cfg.algorithm.aggregation else None
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    out = {"step_s": amortised([r for r in rows if r.get("split") is None], "time_step", every)}
+    out = {"step_s": amortised([r for r in rows if r.get("split") is None], "time_step")}
     if meter:
-        out["link_bytes"] = amortised(json.loads(meter.path.read_text()), "bytes", every)
+        out["link_bytes"] = amortised(json.loads(meter.path.read_text()), "bytes")
     return out
 
 

@@ -24,8 +24,10 @@ unrelated values would corrupt the model without an error).
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
+import functools
 import hashlib
 import re
 from dataclasses import dataclass, field
@@ -84,7 +86,7 @@ def _number(x) -> bool:
 
 def schedule_of(every) -> tuple[tuple[int, int], ...]:
     """algorithm.every as ((first step after which it holds, A), ...): an integer A is ((0, A),);
-    a schedule [[0, 1], [16, 8]] is A = 1 for steps 1..16, then A = 8 (steps 24, 32, ...)."""
+    a schedule [[0, 1], [16, 8]] is A = 1 for steps 1..16, then A = 8 (when, see aggregation_steps)."""
     pairs = [[0, every]] if _number(every) and not isinstance(every, float) else every
     try:
         phases = tuple((int(start), int(period)) for start, period in pairs)
@@ -97,6 +99,33 @@ def schedule_of(every) -> tuple[tuple[int, int], ...]:
         raise ConfigError(f"algorithm.every={every!r}: must be an integer A >= 1, or a schedule "
                           f"[[0, A0], [step1, A1], ...] of increasing steps from 0 and periods >= 1")
     return phases
+
+
+@functools.lru_cache(maxsize=64)
+def aggregation_steps(schedule: tuple[tuple[int, int], ...], last_step: int) -> tuple[int, ...]:
+    """The steps that aggregate, the one definition (trainer, cost model, analysis): step s does when
+    at least A steps have passed since the previous aggregation (0 at the start), A being the period
+    of the phase holding s (phase p holds the steps > start_p, up to the next phase's start), and
+    the last step always does. So [[0, 8], [12, 8]] is every 8 steps and [[0, 8], [12, 16]] is 8,
+    24, 40, ... A function of the schedule and the step numbers alone: a resumed run agrees."""
+    steps, previous = [], 0
+    ends = [start for start, _ in schedule[1:]] + [last_step]
+    for (start, period), end in zip(schedule, ends):
+        # the phase's steps start+1..end: the first at least `period` after the previous one
+        steps += range(max(previous + period, start + 1), min(end, last_step) + 1, period)
+        previous = steps[-1] if steps else previous
+    if last_step >= 1 and (not steps or steps[-1] != last_step):
+        steps.append(last_step)
+    return tuple(steps)
+
+
+def federated_mask(patterns, names: list[str]) -> list[bool]:
+    """Which parameters are averaged (any full match); a pattern that matches no name is a config error."""
+    for pattern in patterns:
+        if not any(re.fullmatch(pattern, n) for n in names):
+            raise ConfigError(f"algorithm.federate: {pattern!r} matches no parameter name "
+                              f"(names look like {names[0]!r}, {names[-1]!r})")
+    return [any(re.fullmatch(p, n) for p in patterns) for n in names]
 
 
 @dataclass(frozen=True)
@@ -114,23 +143,15 @@ class FedAvgConfig:
         check_values({"algorithm.fedavg.mode": self.mode, "algorithm.fedavg.bucket_mb": self.bucket_mb,
                       "algorithm.federate": list(self.federate)})
 
-    @property
-    def period(self) -> int:
-        """The aggregation period in force at the end of the run (the cost model's A)."""
-        return self.schedule[-1][1]
-
     def due(self, step: int, last_step: int) -> bool:
-        """Aggregate every A steps of the phase holding `step`, and at the last step."""
-        start, period = next(p for p in reversed(self.schedule) if p[0] < step)
-        return (step - start) % period == 0 or step == last_step
+        """Whether `step` aggregates (aggregation_steps; a binary search, as a run may have many)."""
+        steps = aggregation_steps(self.schedule, last_step)
+        i = bisect.bisect_left(steps, step)
+        return i < len(steps) and steps[i] == step
 
     def federated(self, names: list[str]) -> list[bool]:
-        """Which parameters are averaged; a pattern that matches no name is a config error."""
-        for pattern in self.federate:
-            if not any(re.fullmatch(pattern, n) for n in names):
-                raise ConfigError(f"algorithm.federate: {pattern!r} matches no parameter name "
-                                  f"(names look like {names[0]!r}, {names[-1]!r})")
-        return [any(re.fullmatch(p, n) for p in self.federate) for n in names]
+        """Which parameters are averaged (federated_mask)."""
+        return federated_mask(self.federate, names)
 
     @classmethod
     def from_algorithm(cls, algorithm_cfg) -> FedAvgConfig | None:
@@ -206,8 +227,7 @@ class FedAvg:
                       if self.leads and not config.outer.averages else None)
 
     def due(self, step: int) -> bool:
-        """Aggregate every A steps (of the schedule's phase) and at the last step, so all groups
-        end identical."""
+        """Aggregate on the schedule's steps and at the last step, so all groups end identical."""
         return self.config.due(step, self.last_step)
 
     def _buckets(self, bucket_bytes: int) -> list[list[torch.Tensor]]:

@@ -149,14 +149,33 @@ def check_mesh(path: Path, shape: MeshShape) -> None:
                           f"{shape}; resume with the same mesh.* or use a new hydra.run.dir")
 
 
+def _schedule_json(schedule: tuple | None) -> list | None:
+    """An aggregation schedule ((start, A), ...) as meta.json holds it; None without aggregation."""
+    return [list(p) for p in schedule] if schedule is not None else None
+
+
+def check_schedule(path: Path, schedule: tuple | None) -> None:
+    """A checkpoint resumes only with the aggregation schedule (FedAvgConfig.schedule) it was saved
+    with: another would make the run neither the saved configuration nor the new one (the steps
+    before the checkpoint aggregated on the old schedule). One from before meta.json held it passes."""
+    meta = json.loads((path / "meta.json").read_text())
+    schedule = _schedule_json(schedule)
+    if "schedule" in meta and meta["schedule"] != schedule:
+        raise ConfigError(f"trainer.resume=auto: {path} was saved with algorithm.every={meta['schedule']}, "
+                          f"this run has algorithm.every={schedule}; resume with the same algorithm.every "
+                          f"or use a new hydra.run.dir")
+
+
 class Checkpointer:
     """`stateful`: further components to save beside model and optimiser, by name (anything with
     state_dict / load_state_dict whose tensors are this rank's own, e.g. the outer optimiser's
     anchor and state: saved under the rank's own keys, so DCP keeps every rank's)."""
 
     def __init__(self, run_dir: str, shape: MeshShape, algorithm: str, every: int, last_step: int,
-                 stateful: dict | None = None, keep_last: int | None = None, async_save: bool = False):
+                 stateful: dict | None = None, keep_last: int | None = None, async_save: bool = False,
+                 schedule: tuple | None = None):
         self.stateful = stateful or {}
+        self.schedule = schedule
         self.root = Path(run_dir) / "checkpoints"
         self.shape, self.algorithm, self.every, self.last_step = shape, algorithm, every, last_step
         self.keep_last, self.async_save = keep_last or None, async_save
@@ -215,7 +234,8 @@ class Checkpointer:
         dist.barrier()  # every rank's shards and extras are written
         if self.rank == 0:
             meta = {"step": step, "algorithm": self.algorithm, "federation": self.shape.federation,
-                    "replicate": self.shape.replicate, "shard": self.shape.shard}
+                    "replicate": self.shape.replicate, "shard": self.shape.shard,
+                    "schedule": _schedule_json(self.schedule)}
             with _writing(path):
                 (path / "meta.json").write_text(json.dumps(meta))
                 tmp = path / f".{MARKER}.tmp"
@@ -233,6 +253,7 @@ class Checkpointer:
     def load(self, path: Path, model, optimizer, scheduler) -> int:
         """Restore this rank from `path`; returns the step it was taken after."""
         check_mesh(path, self.shape)
+        check_schedule(path, self.schedule)
         state = self._state(model, optimizer)
         dcp.load(state, checkpoint_id=path / f"group_{self.federation_index}", process_group=self.group)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

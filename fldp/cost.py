@@ -8,6 +8,11 @@
   sends each rank's unpadded local shards, in `bucket_mb` buckets. The byte counts in
   metrics.jsonl (fldp/comm.py) are checked against this variant, exactly.
 
+Both variants amortise the aggregations over the run as the trainer runs them: their number from
+the schedule (fldp.aggregation.aggregation_steps, the last step included), only the federated
+parameters (`algorithm.federate`), in `algorithm.outer.reduce_dtype` (fp32 sums of bf16 weights
+send twice the bytes).
+
 Bandwidths: each mesh dimension's groups span a block of consecutive ranks (shard: S, replicate:
 R*S, federation: F*R*S); B for the dimension is that of the smallest network tier holding the
 block (`topology.network`, innermost first). Contention between groups sharing a link is not
@@ -21,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .aggregation import bucket_indices, schedule_of
+from .aggregation import REDUCE_DTYPES, aggregation_steps, bucket_indices, federated_mask, schedule_of
 from .mesh import DIMS, MeshShape
 
 # the collectives' time costs, Table 1 (D: message bytes, n: processes, B: bytes/s)
@@ -37,6 +42,7 @@ class Units:
     in named_parameters order (FedAvg's bucketing follows it), each with its unit's index."""
     params: tuple[tuple[tuple[int, ...], int], ...]  # (global shape, unit index)
     element_size: int
+    names: tuple[str, ...] = ()  # the parameters' names (algorithm.federate matches them)
 
     @property
     def L(self) -> int:
@@ -67,8 +73,10 @@ def model_units(model, dtype: torch.dtype) -> Units:
     is a unit, the remaining parameters (embeddings, final norm, lm_head) the root unit."""
     unit_of = {id(p): i for i, layer in enumerate(model.model.layers) for p in layer.parameters()}
     root = len(model.model.layers)
-    params = tuple((tuple(p.shape), unit_of.get(id(p), root)) for _, p in model.named_parameters())
-    return Units(params=params, element_size=torch.empty((), dtype=dtype).element_size())
+    named = list(model.named_parameters())
+    params = tuple((tuple(p.shape), unit_of.get(id(p), root)) for _, p in named)
+    return Units(params=params, element_size=torch.empty((), dtype=dtype).element_size(),
+                 names=tuple(n for n, _ in named))
 
 
 def tiers(network, shape: MeshShape) -> dict:
@@ -118,8 +126,9 @@ _DIM_OF = {"broadcast": "replicate"}  # FedAvg's broadcast runs on the replicate
 @dataclass
 class Prediction:
     shape: MeshShape
-    every: int | None
-    # per step, per rank: bytes sent on each dimension (aggregation amortised over A steps)
+    every: object  # an integer A, a schedule, or None (no aggregation)
+    aggregations_per_step: float = 0.0  # aggregations over the run / its steps (1/A without steps)
+    # per step, per rank: bytes sent on each dimension (aggregations amortised over the run)
     bytes_per_step: dict[str, float] = field(default_factory=dict)
     # on a step with / without aggregation: bytes and collectives per dimension
     step_bytes: dict[str, float] = field(default_factory=dict)
@@ -165,22 +174,35 @@ class Prediction:
         return row
 
 
-def predict(units: Units, shape: MeshShape, bandwidth: dict[str, float], every: int | None = None,
+def predict(units: Units, shape: MeshShape, bandwidth: dict[str, float], every=None,
             mode: str = "leader_broadcast", bucket_mb: float = 25.0,
-            reshard_root_after_forward: bool = False, latency: dict[str, float] | None = None) -> Prediction:
+            reshard_root_after_forward: bool = False, latency: dict[str, float] | None = None,
+            steps: int | None = None, federated: list[bool] | None = None,
+            reduce_element_size: int | None = None) -> Prediction:
+    """every: an integer A or a schedule (None: no aggregation); steps: the run's length, over which
+    the aggregations are amortised (None: the schedule's long-run rate, 1 / its last A); federated:
+    per parameter, whether FedAvg averages it (None: all); reduce_element_size: bytes per element of
+    FedAvg's all-reduce and broadcast (None: the parameters')."""
     F, R, S = shape.federation, shape.replicate, shape.shard
     B_S, B_R, B_F = bandwidth["shard"], bandwidth["replicate"], bandwidth["federation"]
-    A = every or 1
-    federated = every is not None and F > 1
-    pred = Prediction(shape, every)
+    aggregates = every is not None and F > 1
+    rate = 0.0
+    if aggregates:
+        schedule = schedule_of(every)
+        rate = len(aggregation_steps(schedule, steps)) / steps if steps else 1 / schedule[-1][1]
+    pred = Prediction(shape, every, rate)
+    keep = federated if federated is not None else [True] * len(units.params)
+    # FedAvg's payload per element against the parameters' (a cast to reduce_dtype)
+    cast = (reduce_element_size or units.element_size) / units.element_size
 
-    # --- paper variant: M L with M the (unpadded) layer shard size
+    # --- paper variant: M L with M the (unpadded) layer shard size; FedAvg's of the federated ones
     ML = units.total_bytes() / S
+    ML_fed = sum(math.prod(dims) for (dims, _), k in zip(units.params, keep) if k) * units.element_size * cast / S
     pred.paper = {
         "shard": 2 * C_AG(ML, S, B_S) + C_RS(ML, S, B_S),                        # Eq. 1
         "replicate": C_AR(ML, R, B_R),                                           # Eq. 2
-        "federation": C_AR(ML, F, B_F) / A if federated else 0.0,                # Eq. 3-4
-        "broadcast": C_BC(ML, R, B_R) / A if federated and R > 1 and mode == "leader_broadcast" else 0.0,  # Eq. 5
+        "federation": C_AR(ML_fed, F, B_F) * rate,                               # Eq. 3-4
+        "broadcast": C_BC(ML_fed, R, B_R) * rate if R > 1 and mode == "leader_broadcast" else 0.0,  # Eq. 5
     }
 
     # --- exact variant: FSDP2 units, padding; per unit one reduce-scatter and two all-gathers
@@ -194,20 +216,23 @@ def predict(units: Units, shape: MeshShape, bandwidth: dict[str, float], every: 
     if R > 1:
         pred.step_bytes["replicate"] = 2 * (R - 1) / R * sum(padded)
         pred.step_collectives["replicate"] = L
-    if federated:
-        local = [b for b in units.local_shards(S, 0) if b]
+    payload = 0.0  # bytes of one aggregation's all-reduce (and broadcast) input on this rank
+    if aggregates:
+        # FedAvg buckets the federated, non-empty local shards by their own size, then casts
+        local = [b for b, k in zip(units.local_shards(S, 0), keep) if k and b]
         buckets = len(bucket_indices([(b, None) for b in local], int(bucket_mb * 2**20)))
-        pred.aggregation_bytes["federation"] = 2 * (F - 1) / F * sum(local)
+        payload = sum(local) * cast
+        pred.aggregation_bytes["federation"] = 2 * (F - 1) / F * payload
         pred.aggregation_collectives["federation"] = buckets
         if R > 1 and mode == "leader_broadcast":
-            pred.aggregation_bytes["replicate"] = (R - 1) / R * sum(local)
+            pred.aggregation_bytes["replicate"] = (R - 1) / R * payload
             pred.aggregation_collectives["replicate"] = buckets
-    pred.bytes_per_step = {d: pred.step_bytes.get(d, 0.0) + pred.aggregation_bytes.get(d, 0.0) / A for d in DIMS}
-    fed_bcast = pred.aggregation_bytes.get("replicate", 0.0) / A
+    pred.bytes_per_step = {d: pred.step_bytes.get(d, 0.0) + pred.aggregation_bytes.get(d, 0.0) * rate for d in DIMS}
+    fed_bcast = pred.aggregation_bytes.get("replicate", 0.0) * rate
     pred.exact = {
         "shard": pred.step_bytes.get("shard", 0.0) / B_S,
         "replicate": pred.step_bytes.get("replicate", 0.0) / B_R,
-        "federation": pred.aggregation_bytes.get("federation", 0.0) / A / B_F,
+        "federation": pred.aggregation_bytes.get("federation", 0.0) * rate / B_F,
         "broadcast": fed_bcast / B_R,
     }
 
@@ -217,19 +242,19 @@ def predict(units: Units, shape: MeshShape, bandwidth: dict[str, float], every: 
     # Every step of a ring (a broadcast: every send) adds its dimension's latency (alpha-beta).
     lat = {d: (latency or {}).get(d, 0.0) for d in DIMS}
     buckets = pred.aggregation_collectives.get("federation", 0)
-    steps = {  # ring steps per step (aggregation amortised over A)
+    ring = {  # ring steps per step (aggregations amortised over the run)
         "shard": (sum(gathers) * (S - 1) + L * 2 * (S - 1)) if S > 1 else 0,
         "replicate": L * 2 * (R - 1),
-        "federation": buckets * 2 * (F - 1) / A,
-        "broadcast": buckets * (R - 1) / A if "replicate" in pred.aggregation_bytes else 0,
+        "federation": buckets * 2 * (F - 1) * rate,
+        "broadcast": buckets * (R - 1) * rate if "replicate" in pred.aggregation_bytes else 0,
     }
     pred.gloo_bytes = {  # per rank per step
         "shard": (S - 1) * sum(b * (g + 2) for b, g in zip(padded, gathers)),
         "replicate": pred.step_bytes.get("replicate", 0.0),
-        "federation": pred.aggregation_bytes.get("federation", 0.0) / A,
-        "broadcast": (R - 1) * sum(units.local_shards(S, 0)) / A if steps["broadcast"] else 0.0,
+        "federation": pred.aggregation_bytes.get("federation", 0.0) * rate,
+        "broadcast": (R - 1) * payload * rate if ring["broadcast"] else 0.0,
     }
-    pred.gloo = {term: sent / bandwidth[_DIM_OF.get(term, term)] + lat[_DIM_OF.get(term, term)] * steps[term]
+    pred.gloo = {term: sent / bandwidth[_DIM_OF.get(term, term)] + lat[_DIM_OF.get(term, term)] * ring[term]
                  for term, sent in pred.gloo_bytes.items()}
     return pred
 
@@ -237,13 +262,21 @@ def predict(units: Units, shape: MeshShape, bandwidth: dict[str, float], every: 
 def predict_for(cfg, units: Units, aggregates: bool | None = None, shape: MeshShape | None = None,
                 network=None) -> Prediction:
     """The prediction for a composed config (or another algorithm and mesh on its topology, or
-    another network): A (default 8), FedAvg mode and the topology's tiers (a `link: node` tier
-    shared by the flows crossing it; `latency_ms` and `delay_ms` per ring step, if given)."""
+    another network): the schedule (default A = 8) over the run's steps, the federated parameters,
+    the reduce dtype, FedAvg mode and the topology's tiers (a `link: node` tier shared by the flows
+    crossing it; `latency_ms` and `delay_ms` per ring step, if given)."""
+    from omegaconf import OmegaConf
+
+    from .slurm import planned_steps
+
     shape = shape or MeshShape(cfg.mesh.federation, cfg.mesh.replicate, cfg.mesh.shard)
     if aggregates is None:  # the configured algorithm's (algorithm.aggregation), else the one asked for
         aggregates = bool(cfg.algorithm.get("aggregation"))
-    # a schedule: its last period
-    every = (schedule_of(cfg.algorithm.every)[-1][1] if cfg.algorithm.every else 8) if aggregates else None
+    plain = lambda v: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v  # noqa: E731
+    every = plain(cfg.algorithm.get("every") or 8) if aggregates else None
+    patterns = plain(cfg.algorithm.get("federate")) or [".*"]
+    federated = federated_mask(patterns, list(units.names)) if units.names else None
+    reduce_dtype = REDUCE_DTYPES[(cfg.algorithm.get("outer") or {}).get("reduce_dtype")]
     # FL+HSDP's mode: the configured algorithm's, else the one the topology's reference numbers ran
     mode = (cfg.algorithm.get("fedavg") or {}).get("mode") or cfg.topology.get("fedavg_mode", "leader_broadcast")
     bucket_mb = (cfg.algorithm.get("fedavg") or {}).get("bucket_mb", 25.0)
@@ -252,7 +285,9 @@ def predict_for(cfg, units: Units, aggregates: bool | None = None, shape: MeshSh
     bandwidth = tier_bandwidth(network, shape, procs_per_node=cfg.topology.procs_per_node, leaders_only=leaders)
     on = tiers(network, shape)
     latency = {d: (on[d].get("latency_ms", 0.0) + on[d].get("delay_ms", 0.0)) / 1e3 for d in DIMS}
-    pred = predict(units, shape, bandwidth, every, mode, bucket_mb, cfg.fsdp.reshard_root_after_forward, latency)
+    pred = predict(units, shape, bandwidth, every, mode, bucket_mb, cfg.fsdp.reshard_root_after_forward, latency,
+                   steps=planned_steps(cfg, shape.world), federated=federated,
+                   reduce_element_size=reduce_dtype.itemsize if reduce_dtype else None)
     pred.capped = tuple(d for d in DIMS if on[d].get("link") == "node")
     pred.flows = {d: crossing_flows(shape, d, cfg.topology.procs_per_node, leaders and d == "federation")
                   for d in pred.capped}
@@ -306,18 +341,17 @@ def table(cfg) -> list[dict]:
     dtype = DTYPES[cfg.trainer.precision]
     units = model_units(build_model(llama_config(cfg.model, vocab), "meta"), dtype)
     measured = paper_step_times() if cfg.topology.name == "leonardo_512" else {}
-    every = schedule_of(cfg.algorithm.every)[-1][1] if cfg.algorithm.every else 8  # a schedule: its last A
     rows = []
     algorithms = algorithms_by_layout()
     for key, layout in cfg.topology.layouts.items():
         name = algorithms[key].name
         shape = MeshShape(layout.federation, layout.replicate, layout.shard)
-        fed = every if algorithms[key].aggregation else None
-        pred = predict_for(cfg, units, bool(fed), shape)
+        pred = predict_for(cfg, units, bool(algorithms[key].aggregation), shape)
         bandwidth = pred.bandwidth
         paper_total, exact_total = sum(pred.paper.values()), sum(pred.exact.values())
         rows.append({
-            "algorithm": name, "mesh": str(shape), "every": fed,
+            "algorithm": name, "mesh": str(shape), "every": pred.every,
+            "aggregations_per_step": pred.aggregations_per_step,
             **{f"B_{d}_gbit_s": bandwidth[d] * 8 / 1e9 for d in DIMS},
             **{f"paper_{k}_s": v for k, v in pred.paper.items()}, "paper_total_s": paper_total,
             **{f"exact_{k}_s": v for k, v in pred.exact.items()}, "exact_total_s": exact_total,
@@ -354,8 +388,8 @@ def _print_table(cfg, rows) -> None:
     if capped:  # a netns topology: what gloo sends, and the part on the capped inter-node link
         show["gloo total"], show["gloo on link"] = df.gloo_total_s, df.gloo_capped_s
     print(show.to_string(float_format=lambda x: f"{x:.4g}"))
-    print("\nseconds per step (aggregation amortised over A); 'paper' = Eq. 1-5 as printed, 'exact' = bytes a "
-          "ring collective sends per rank / B; GB = exact bytes sent per rank per step")
+    print("\nseconds per step (aggregations amortised over the run's steps); 'paper' = Eq. 1-5 as printed, "
+          "'exact' = bytes a ring collective sends per rank / B; GB = exact bytes sent per rank per step")
     if capped:
         print("B of a `link: node` tier = the node's link / the flows crossing it at once; 'gloo' = exact with "
               "gloo's reduce-scatter (an all-reduce) and broadcast (flat), plus latency_ms per collective")

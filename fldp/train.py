@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 
 from . import CONF, launch, netns, schema, slurm, sweep
 from .aggregation import FedAvgConfig
-from .checkpoint import check_mesh, discard_incomplete, latest
+from .checkpoint import check_mesh, check_schedule, discard_incomplete, latest
 from .data import prepare
 from .errors import ConfigError, Interrupted, WorkerError, WriteError
 from .mesh import mesh_shape
@@ -89,6 +89,8 @@ def check_run_dir(cfg, shape, run_dir: str) -> None:
     saved = latest(path) if cfg.trainer.resume == "auto" else None
     if saved is not None:
         check_mesh(saved, shape)
+        federation = FedAvgConfig.from_algorithm(cfg.algorithm)
+        check_schedule(saved, federation.schedule if federation else None)
 
 
 def check_vocab(cfg, blocks) -> None:

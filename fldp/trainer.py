@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from transformers import get_cosine_schedule_with_warmup
 
-from .aggregation import FedAvg, FedAvgConfig
+from .aggregation import FedAvg, FedAvgConfig, aggregation_steps
 from .checkpoint import Checkpointer, latest
 from .comm import CommMeter
 from .cost import tier_bandwidth
@@ -160,7 +160,8 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None)
     if cfg.trainer.checkpoint_every or cfg.trainer.resume:
         checkpointer = Checkpointer(run_dir, shape, cfg.algorithm.name, cfg.trainer.checkpoint_every, steps,
                                     stateful={"outer": fedavg} if fedavg is not None else None,
-                                    keep_last=cfg.trainer.keep_last, async_save=cfg.trainer.async_save)
+                                    keep_last=cfg.trainer.keep_last, async_save=cfg.trainer.async_save,
+                                    schedule=fedavg_cfg.schedule if fedavg_cfg else None)
         resume_from = latest(run_dir) if cfg.trainer.resume == "auto" else None
         if resume_from is not None:
             start = checkpointer.load(resume_from, model, optimizer, scheduler)
@@ -245,6 +246,9 @@ def run_summary(cfg, shape, fedavg_cfg, steps: int, world: int, tokens_per_step:
     return {
         "algorithm": cfg.algorithm.name, "federation": shape.federation, "replicate": shape.replicate,
         "shard": shape.shard, "every": fedavg_cfg.every if fedavg_cfg else None,
+        # the whole schedule as [[start, A], ...] and the steps it aggregated on
+        "schedule": [list(p) for p in fedavg_cfg.schedule] if fedavg_cfg else None,
+        "aggregation_steps": list(aggregation_steps(fedavg_cfg.schedule, steps)) if fedavg_cfg else None,
         "outer": dataclasses.asdict(fedavg_cfg.outer) if fedavg_cfg else None,
         "federate": list(fedavg_cfg.federate) if fedavg_cfg else None,
         "fedavg_mode": fedavg_cfg.mode if fedavg_cfg and shape.replicate > 1 else None,

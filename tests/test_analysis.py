@@ -334,3 +334,18 @@ def test_outer_optimiser_settings_label_configurations(sweep, tmp_path):
         OmegaConf.save(config, run / ".hydra" / "config.yaml")
     runs, _ = collect([str(tmp_path)])
     assert sorted(tables.labels(runs)) == ["FL+FSDP (outer.lr=0.5)", "FL+FSDP (outer.lr=0.7)"]
+
+
+def test_periodic_aggregation_reads_a_schedule():
+    """The finding's expected steps follow a schedule as the trainer runs it: [[0,2],[3,3]] over 6
+    steps aggregates at 2, 5 (3 steps after 2) and 6 (the last), by hand."""
+    from analysis.claims import periodic_aggregation
+    from analysis.records import Run
+
+    def run(aggregated):
+        steps = pd.DataFrame({"step": range(1, 7), "aggregated": [s in aggregated for s in range(1, 7)],
+                              "time_aggregation": [0.5 if s in aggregated else 0.0 for s in range(1, 7)]})
+        return Run("scheduled", {"every": [[0, 2], [3, 3]]}, steps)
+
+    assert periodic_aggregation([run({2, 5, 6})])[0] == "reproduced"
+    assert periodic_aggregation([run({2, 6})])[0] == "not reproduced"  # counted from the phase's start

@@ -7,9 +7,9 @@ import torch
 
 from conftest import cli, compose_cfg, read_rows, run_world
 from fldp.comm import CommMeter
-from fldp.cost import Units, model_units, predict, tier_bandwidth
+from fldp.cost import Units, model_units, predict, predict_for, tier_bandwidth
 from fldp.mesh import MeshShape, build_mesh, mesh_shape
-from fldp.model import build_model, llama_config
+from fldp.model import DTYPES, build_model, llama_config
 
 
 def test_paper_equations_on_a_hand_computed_example():
@@ -32,6 +32,23 @@ def test_paper_equations_on_a_hand_computed_example():
     assert fsdp.paper["replicate"] == fsdp.paper["federation"] == fsdp.exact["federation"] == 0
 
 
+def test_schedule_federate_and_reduce_dtype_on_a_hand_computed_example():
+    # a: 4 x 250 and b: 2 x 100 bf16 (2 bytes), S=2, F=2; shard 0 holds 2 rows of a, 1 of b
+    units = Units(params=(((4, 250), 0), ((2, 100), 1)), element_size=2, names=("a", "b"))
+    bw = {"shard": 1000.0, "replicate": 1000.0, "federation": 500.0}
+    # [[0,2],[3,3]] over 6 steps aggregates at 2, 5 and 6 (the last): 3 aggregations in 6 steps;
+    # only `a` is federated (its shard: 2 x 250 x 2 = 1,000 bytes), summed in fp32 (x2: 2,000 bytes)
+    p = predict(units, MeshShape(2, 1, 2), bw, every=[[0, 2], [3, 3]], steps=6, federated=[True, False],
+                reduce_element_size=4)
+    assert p.aggregations_per_step == 3 / 6
+    assert p.aggregation_bytes["federation"] == 2 * (2 - 1) / 2 * 2000
+    assert p.bytes_per_step["federation"] == 2000 * 3 / 6
+    assert p.paper["federation"] == pytest.approx(2 * 2000 * (2 - 1) / (2 * 500) * 3 / 6)  # Eq. 3, M L = 2,000
+    # no steps: the long-run rate, one aggregation per last A; all federated, in the parameters' dtype
+    q = predict(units, MeshShape(2, 1, 2), bw, every=[[0, 2], [3, 3]])
+    assert q.aggregations_per_step == 1 / 3 and q.aggregation_bytes["federation"] == 1000 + 1 * 100 * 2
+
+
 def test_fsdp2_padding_is_accounted():
     units = Units(params=(((5, 3), 0), ((7,), 1)), element_size=2)
     assert units.padded_shard_bytes(4) == [2 * 3 * 2, 2 * 2]         # ceil(5/4)=2 rows, ceil(7/4)=2
@@ -45,7 +62,7 @@ def test_tiers_follow_the_rank_blocks():
     assert tier_bandwidth(network, MeshShape(1, 1, 512))["shard"] == 25e9
 
 
-CASES = [  # (overrides, ...) tiny runs of 3 steps, A=2: aggregations at steps 2 and 3
+CASES = [  # (overrides, ...) tiny runs of 3 steps, A=2 unless given: aggregations at steps 2 and 3
     ["algorithm=fsdp"],
     ["algorithm=hsdp"],
     ["algorithm=fl_fsdp"],
@@ -53,23 +70,32 @@ CASES = [  # (overrides, ...) tiny runs of 3 steps, A=2: aggregations at steps 2
     ["algorithm=fl_hsdp", "algorithm.fedavg.mode=all_replicas", "algorithm.fedavg.bucket_mb=0.1"],
     ["algorithm=hsdp", "topology=local_2"],                          # S=1: nothing to shard
     ["algorithm=fsdp", "fsdp.reshard_root_after_forward=true"],      # not the authors' root policy
+    # a schedule: 2, then 3 counted from the aggregation at 2 (5), and the last step (6)
+    ["algorithm=fl_fsdp", "topology=local_4", "trainer.steps=6", "algorithm.every=[[0,2],[3,3]]"],
+    # only the decoder layers averaged (and broadcast: 2x2x1)
+    ["algorithm=fl_hsdp", "topology=local_4", "algorithm.federate=[model\\.layers\\..*]"],
+    # bf16 weights summed in fp32 (twice their bytes), fp32 weights summed in bf16 (half)
+    ["algorithm=fl_hsdp", "topology=local_4", "trainer.precision=bf16", "algorithm.outer.reduce_dtype=fp32"],
+    ["algorithm=fl_fsdp", "topology=local_4", "algorithm.outer.reduce_dtype=bf16"],
 ]
+AGGREGATED = {"[[0,2],[3,3]]": [2, 5, 6], "2": [2, 3]}  # algorithm.every -> the steps that aggregate, by hand
 
 
 @pytest.mark.parametrize("overrides", CASES, ids=["-".join(o.split("=")[1] for o in c) for c in CASES])
 def test_measured_bytes_equal_the_exact_model(tmp_path, overrides):
-    args = [*overrides, "trainer.steps=3", "algorithm.every=2"]
+    args = ["trainer.steps=3", "algorithm.every=2", *overrides]  # the case's own win
     out = cli(*args, "wandb.mode=disabled", "trainer.eval_batches=1", f"hydra.run.dir={tmp_path}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     cfg = compose_cfg(*args)
     shape = mesh_shape(cfg)
-    units = model_units(build_model(llama_config(cfg.model, 4096), "meta"), torch.float32)
-    fedavg = cfg.algorithm.fedavg or {}
-    pred = predict(units, shape, tier_bandwidth(cfg.topology.network, shape),
-                   cfg.algorithm.every if cfg.algorithm.aggregation else None,
-                   fedavg.get("mode", "leader_broadcast"), fedavg.get("bucket_mb", 25),
-                   reshard_root_after_forward=cfg.fsdp.reshard_root_after_forward)
+    units = model_units(build_model(llama_config(cfg.model, 4096), "meta"), DTYPES[cfg.trainer.precision])
+    pred = predict_for(cfg, units)  # the schedule, federate, reduce dtype, mode, buckets of the config
     rows = read_rows(tmp_path)
+    if cfg.algorithm.aggregation:
+        every = next(a.split("=", 1)[1] for a in reversed(args) if a.startswith("algorithm.every="))
+        assert [r["step"] for r in rows if r["aggregated"]] == AGGREGATED[every]
+        summary = json.loads((tmp_path / "summary.json").read_text())
+        assert summary["aggregation_steps"] == AGGREGATED[every]
     if shape.shard > 1:  # per layer 2 all-gathers + 1 reduce-scatter; the root gathers once unless resharded
         units_ = cfg.model.num_hidden_layers + 1
         assert rows[0]["collectives_shard"] == 3 * units_ - (0 if cfg.fsdp.reshard_root_after_forward else 1)
@@ -77,6 +103,9 @@ def test_measured_bytes_equal_the_exact_model(tmp_path, overrides):
         expected = pred.expected_row(row["aggregated"])
         measured = {k: row[k] for k in expected}
         assert measured == pytest.approx(expected, rel=1e-12), f"step {row['step']}"
+    # over the whole run, the bytes the model amortises per step are the bytes sent
+    for d in ("shard", "replicate", "federation"):
+        assert sum(r[f"bytes_{d}"] for r in rows) == pytest.approx(len(rows) * pred.bytes_per_step[d], rel=1e-12), d
     if "bucket_mb=0.1" in overrides:
         assert pred.aggregation_collectives["federation"] > 5  # several buckets, each tensor once
 
@@ -144,4 +173,14 @@ def test_cost_cli_prints_table_and_json(tmp_path):
     resharded = {r["algorithm"]: r for r in json.loads(run("--json", "fsdp.reshard_root_after_forward=true").stdout)}
     assert resharded["fsdp"]["exact_over_paper"] == pytest.approx(512, rel=1e-3)
     assert rows["fl_fsdp"]["measured_step_s"] == 1.45
+    # the schedule, partial federation and reduce dtype of the configured algorithm: 1..16, 24, ..., 64 is
+    # 22 aggregations in 64 steps (8 with A=8), the decoder layers only (S=4 splits every parameter
+    # evenly), in fp32 (twice bf16's bytes)
+    other = {r["algorithm"]: r for r in json.loads(run("--json", "algorithm=fl_fsdp", "algorithm.every=[[0,1],[16,8]]",
+                                                       "algorithm.federate=[model\\.layers\\..*]",
+                                                       "algorithm.outer.reduce_dtype=fp32").stdout)}
+    layers = (total - root) / total
+    assert (other["fl_fsdp"]["bytes_federation_per_step"] / rows["fl_fsdp"]["bytes_federation_per_step"]
+            == pytest.approx(22 / 8 * layers * 2, rel=1e-12))
+    assert other["fl_fsdp"]["aggregations_per_step"] == 22 / 64
     assert not list(tmp_path.iterdir())  # a calculation writes no run directory

@@ -129,6 +129,43 @@ def test_partial_federation_and_schedule(tmp_path):
         assert torch.equal(g0[name], g1[name]) == name.startswith("model.layers."), name
 
 
+def _rule(schedule, last_step: int) -> list[int]:
+    """The aggregation rule written from its definition, step by step: A is the period of the phase
+    holding the step (the last phase starting before it); aggregate once A steps have passed since
+    the previous aggregation, and at the last step."""
+    steps, previous = [], 0
+    for step in range(1, last_step + 1):
+        period = [a for start, a in schedule if start < step][-1]
+        if step - previous >= period or step == last_step:
+            steps.append(step)
+            previous = step
+    return steps
+
+
+def test_a_schedule_counts_each_period_from_the_last_aggregation():
+    """Not from the phase's start: an unchanged A stays periodic across a phase boundary, and a
+    resumed run (which knows only the step number) agrees, since `due` is a function of it."""
+    from fldp.aggregation import FedAvgConfig
+
+    def due(every, last):
+        config = FedAvgConfig(every=every)
+        return [s for s in range(1, last + 1) if config.due(s, last)]
+
+    assert due([[0, 8], [12, 8]], 32) == [8, 16, 24, 32]      # as every=8 (a phase count: 8, 20, 28, 32)
+    assert due([[0, 8], [12, 16]], 40) == [8, 24, 40]         # (a phase count: 8, 28, 40)
+    assert due([[0, 1], [16, 8]], 32) == [*range(1, 17), 24, 32]
+    assert due([[0, 16], [20, 4]], 30) == [16, 21, 25, 29, 30]  # A shrinks: 4 steps since 16 have passed at 21
+    assert due(3, 10) == [3, 6, 9, 10] and due(5, 1) == [1]
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        starts = sorted(rng.sample(range(1, 40), rng.randint(0, 4)))
+        schedule = [[0, rng.randint(1, 9)]] + [[s, rng.randint(1, 9)] for s in starts]
+        last = rng.randint(1, 50)
+        assert due(schedule, last) == _rule(schedule, last), (schedule, last)
+
+
 def _average_error(cfg, out_path, device):
     """Each of 8 groups (8x1x1) holds different bf16 weights; FedAvg's result against the exact
     (fp64) mean, for each reduce dtype: the median relative error over all elements."""

@@ -150,6 +150,19 @@ def test_resume_with_another_mesh_is_refused(tmp_path, uninterrupted):
     assert "saved with mesh 2x2x2, this run has 4x1x2" in out.stderr
 
 
+def test_resume_with_another_schedule_is_refused(tmp_path, uninterrupted):
+    """Saved with A=3: another schedule is refused, naming algorithm.every; the same one spelled as a
+    schedule resumes."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(uninterrupted, run_dir)
+    out = cli(*RUN, "algorithm.every=[[0,3],[6,4]]", "trainer.resume=auto", f"hydra.run.dir={run_dir}",
+              cwd=tmp_path, timeout=60)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "saved with algorithm.every=[[0, 3]], this run has algorithm.every=[[0, 3], [6, 4]]" in out.stderr
+    same = cli(*RUN, "algorithm.every=[[0,3]]", "trainer.resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert same.returncode == 0, same.stderr[-3000:]
+
+
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     out = cli("algorithm=fsdp", "optimizer.name=sgd", "optimizer.lr=1e38", "optimizer.warmup=0",
               "trainer.steps=6", "trainer.checkpoint_every=1", "wandb.mode=disabled",
