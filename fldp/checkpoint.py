@@ -8,18 +8,21 @@ file holds the scheduler, the RNG state and the step; the data position follows 
 
     run_dir/checkpoints/step_00000008/{group_0/, group_1/, rank_0.pt, ..., meta.json, COMPLETE}
 
-COMPLETE is written last, after every rank finished: a checkpoint without it is never resumed,
-and the launcher deletes it once its workers have stopped (a save cut short by a failure, a full
-disk or a signal). A write that fails (disk full, read-only) ends the run with a WriteError naming
+COMPLETE is written last, after every rank finished and every file and directory of the checkpoint
+is fsynced (so a node crash cannot leave COMPLETE beside a truncated file): a checkpoint without it
+is never resumed, and the launcher deletes it once its workers have stopped (a save cut short by a
+failure, a full disk or a signal). A write that fails (disk full, read-only) ends the run with a WriteError naming
 the checkpoint's directory.
-With trainer.keep_last=K, the older complete checkpoints beyond the newest K are deleted once a
-new one is complete. With trainer.async_save, DCP writes in a background thread while training goes
+With trainer.keep_last=K, the older complete checkpoints beyond the newest K (by completion: never
+the one just written, even beside a higher step left by an earlier run) are deleted once a new one
+is complete. With trainer.async_save, DCP writes in a background thread while training goes
 on; the checkpoint is marked COMPLETE when every rank's write has finished, checked at the next
 checkpoint or at the end of the run (a crash before that loses only the one in flight).
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -127,11 +130,27 @@ def _unwritable(directory: Path) -> OSError | None:
     return None
 
 
-def prune(run_dir: str | Path, keep: int) -> list[Path]:
-    """Delete the complete checkpoints older than the newest `keep` (>= 1, so never the newest);
+def _fsync(path: Path) -> None:
+    """Flush a file's data, or a directory's entries, to the disk: a node that crashes after
+    COMPLETE is written must not come back with COMPLETE beside a truncated or missing file."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:  # some FUSE and network file systems cannot sync a directory: nothing to do
+        if not (path.is_dir() and e.errno in (errno.EINVAL, errno.ENOTSUP)):
+            raise
+    finally:
+        os.close(fd)
+
+
+def prune(run_dir: str | Path, keep: int, newest: Path | None = None) -> list[Path]:
+    """Delete the complete checkpoints older than the newest `keep` (>= 1), newest by when they were
+    completed, not by step: a checkpoint of a higher step left in the run directory by an earlier
+    run is older than the one just written. `newest`, the one just written, is never deleted;
     incomplete ones (being written, or cut short by a crash) are not touched. Returns the deleted."""
-    old = [p.parent for p in (Path(run_dir) / "checkpoints").glob(f"step_*/{MARKER}")]
-    old = sorted(old)[:-keep]
+    done = [p.parent for p in (Path(run_dir) / "checkpoints").glob(f"step_*/{MARKER}")]
+    order = {p: (p == newest, (p / MARKER).stat().st_mtime_ns, p.name) for p in done}
+    old = sorted(done, key=order.get)[:-keep]
     for path in old:
         (path / MARKER).unlink()  # first, so that a deletion cut short leaves no resumable half
         shutil.rmtree(path)
@@ -198,6 +217,7 @@ class Checkpointer:
             path.mkdir(parents=True, exist_ok=True)
             torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state()},
                        path / f"rank_{self.rank}.pt")
+            _fsync(path / f"rank_{self.rank}.pt")
             target = {"checkpoint_id": path / f"group_{self.federation_index}", "process_group": self.group}
             if self.async_save:  # returns once the state is copied aside; the write goes on in a thread
                 self.pending = (step, path, dcp.async_save(self._state(model, optimizer), **target))
@@ -231,18 +251,25 @@ class Checkpointer:
         raise Stopped(step)
 
     def _complete(self, step: int, path: Path) -> None:
-        dist.barrier()  # every rank's shards and extras are written
+        with _writing(path):  # DCP fsyncs its files, not the directory that names them
+            _fsync(path / f"group_{self.federation_index}")
+        dist.barrier()  # every rank's shards and extras are written, and on the disk
         if self.rank == 0:
             meta = {"step": step, "algorithm": self.algorithm, "federation": self.shape.federation,
                     "replicate": self.shape.replicate, "shard": self.shape.shard,
                     "schedule": _schedule_json(self.schedule)}
             with _writing(path):
                 (path / "meta.json").write_text(json.dumps(meta))
+                _fsync(path / "meta.json")
+                _fsync(path)  # the entries of rank_k.pt, group_f/ and meta.json
                 tmp = path / f".{MARKER}.tmp"
                 tmp.write_text(str(step))
+                _fsync(tmp)
                 os.replace(tmp, path / MARKER)
+                _fsync(path)  # COMPLETE's entry
+                _fsync(path.parent)  # the checkpoint's own entry
             if self.keep_last:
-                prune(self.root.parent, self.keep_last)
+                prune(self.root.parent, self.keep_last, newest=path)
         dist.barrier()
 
     def _state(self, model, optimizer) -> dict:

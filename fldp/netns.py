@@ -7,15 +7,18 @@ through a full-duplex NIC and a switch.
     namespace PREFIX-n<k> (node k): lo, fldp0 = 10.77.0.<k+1>/24, tc on fldp0 (upload)
     namespace PREFIX-sw (switch):   br0, and the other end of every node's veth (n<k>, tc: download)
 
-PREFIX = fldp-<launcher pid>. Nothing is created in, or routed to, the root namespace: the
-namespaces hold only these links, so a worker can reach no address but its peers' and loopback.
-A launcher removes its namespaces when it ends (success, failure, Ctrl-C, SIGTERM); what a
-SIGKILLed launcher left behind, the next launcher removes (`reap()`: any fldp-<pid>-* whose pid
-is not running).
+PREFIX = fldp-<launcher pid>-<its PID namespace's inode>-<its start time, clock ticks after boot>.
+Nothing is created in, or routed to, the root namespace: the namespaces hold only these links, so a
+worker can reach no address but its peers' and loopback. A launcher removes its namespaces when it
+ends (success, failure, Ctrl-C, SIGTERM); what a SIGKILLed launcher left behind, the next launcher
+removes (`reap()`), but only where the name proves its launcher dead: a launcher of this PID
+namespace, whose pid runs no process started at that time. /run/netns may be shared with
+containers of other PID namespaces, whose launchers' pids mean nothing here: theirs are left alone.
 """
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import re
 import shutil
@@ -28,7 +31,9 @@ IFACE = "fldp0"            # each node's interface, inside its namespace (names 
 SUBNET = "10.77.0"         # addresses exist only inside the run's namespaces
 PORT = 29500               # rendezvous port on rank 0's node: its namespace is new, so the port is free
 _CLONE_NEWNET = 0x40000000
-_NAME = re.compile(r"fldp-(\d+)-(n\d+|sw)$")
+_RUN_DIR = "/run/netns"    # where `ip netns` keeps the namespaces' names
+_NAME = re.compile(r"fldp-(\d+)-(\d+)-(\d+)-(n\d+|sw)$")  # launcher pid, PID namespace, start time
+log = logging.getLogger("fldp")
 _MTU = 9000                # jumbo frames, as on cluster fabrics: 0.7% header bytes instead of 4.6%
 _BURST = 32 * 1024         # tbf bucket: bytes a link may send at once after an idle spell
 # tbf queue, in time at the link's rate. Shallow, as a switch's: a deep one delays the ACKs of one
@@ -103,14 +108,29 @@ def missing_tools(name: str) -> None:
                               "not found on PATH")
 
 
-def _pid_alive(pid: int) -> bool:
+def _pid_namespace() -> int:
+    return os.stat("/proc/self/ns/pid").st_ino
+
+
+def _start_time(pid: int) -> int | None:
+    """When process `pid` of this PID namespace started (clock ticks after boot), None if none runs:
+    a pid alone may have been reused since."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, counted after the name
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def owner_prefix() -> str:
+    """This process's namespaces' prefix: what reap() needs to prove, later, that it has ended."""
+    return f"fldp-{os.getpid()}-{_pid_namespace()}-{_start_time(os.getpid())}"
+
+
+def dead(ns: str) -> bool:
+    """Whether `ns` (an fldp namespace) belongs to a launcher of this PID namespace that has ended."""
+    pid, pid_namespace, start = map(int, _NAME.match(ns).groups()[:3])
+    return pid_namespace == _pid_namespace() and _start_time(pid) != start
 
 
 def _sh(*cmd: str) -> subprocess.CompletedProcess:
@@ -123,13 +143,20 @@ def namespaces() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line and _NAME.match(line.split()[0])]
 
 
+def _delete(ns: str) -> bool:
+    """`ip netns delete`; False, with a warning naming the namespace and why, if it is still there."""
+    done = _sh("ip", "netns", "delete", ns)
+    if done.returncode == 0 or not os.path.lexists(f"{_RUN_DIR}/{ns}"):
+        return True
+    log.warning("fldp: could not delete network namespace %s (%s); remove it with `ip netns delete %s`",
+                ns, done.stderr.strip(), ns)
+    return False
+
+
 def reap() -> list[str]:
-    """Remove the namespaces of launchers that no longer run (a SIGKILLed launcher cannot clean
-    up after itself). A pid that was reused keeps its namespaces until that process ends too."""
-    gone = [ns for ns in namespaces() if not _pid_alive(int(_NAME.match(ns).group(1)))]
-    for ns in gone:
-        _sh("ip", "netns", "delete", ns)
-    return gone
+    """Remove the namespaces of this PID namespace's launchers that no longer run (a SIGKILLed
+    launcher cannot clean up after itself); returns those removed."""
+    return [ns for ns in namespaces() if dead(ns) and _delete(ns)]
 
 
 class Network:
@@ -138,7 +165,7 @@ class Network:
 
     def __init__(self, nodes: int, procs_per_node: int, link: Link, prefix: str | None = None):
         self.nodes, self.procs_per_node, self.link = nodes, procs_per_node, link
-        self.prefix = prefix or f"fldp-{os.getpid()}"
+        self.prefix = prefix or owner_prefix()
         self.switch = f"{self.prefix}-sw"
         self.port = PORT
         self.created: list[str] = []
@@ -205,16 +232,19 @@ class Network:
             self._run("tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:",
                       "netem", "delay", f"{link.delay_ms:g}ms", "limit", "100000")
 
-    def destroy(self) -> None:
-        """Delete the namespaces (their links and qdiscs go with them). Idempotent."""
-        while self.created:
-            _sh("ip", "netns", "delete", self.created.pop())
+    def destroy(self) -> list[str]:
+        """Delete the namespaces (their links and qdiscs go with them). Idempotent. Returns those
+        that could not be deleted, each also logged as a warning: they stay in `created`, for a
+        later destroy() to try again. Never raises: it runs in the launcher's cleanup, where an
+        exception would hide the run's own outcome."""
+        self.created = [ns for ns in self.created if not _delete(ns)]
+        return list(self.created)
 
     def enter(self, rank: int) -> None:
         """Move this process (one thread: call it first thing in a forked worker, before any
         socket or thread exists) into its node's namespace, and bind gloo to the node's link."""
         libc = ctypes.CDLL(None, use_errno=True)
-        fd = os.open(f"/run/netns/{self.namespace(self.node_of(rank))}", os.O_RDONLY)
+        fd = os.open(f"{_RUN_DIR}/{self.namespace(self.node_of(rank))}", os.O_RDONLY)
         try:
             if libc.setns(fd, _CLONE_NEWNET) != 0:
                 err = ctypes.get_errno()

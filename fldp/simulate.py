@@ -31,7 +31,7 @@ from .errors import ConfigError
 from .mesh import mesh_shape
 from .model import DTYPES, build_model, init_weights, llama_config
 from .records import PHASES, Recorder
-from .trainer import build_optimizer, build_scheduler, run_summary, total_steps
+from .trainer import AVERAGE, GROUPS_MEAN, ONE_MODEL, build_optimizer, build_scheduler, run_summary, total_steps
 
 # vmap has no batching rule for CPU flash attention and loops over the groups inside that one op
 # (measured: as fast as eager attention at F = 128); the warning would repeat at every step
@@ -77,6 +77,7 @@ class Simulation:
         if self.fedavg is not None:
             keep = self.fedavg.federated(self.groups.names)
             self.federated = [n for n, k in zip(self.groups.names, keep) if k]
+        self.partial = len(self.federated) < len(self.groups.names) if self.fedavg is not None else False
             if not self.fedavg.outer.averages:  # one bucket: the anchor is group 0's federated weights
                 self.outer = Outer(self.fedavg.outer, [torch.cat([self.groups[n][0].reshape(-1)
                                                                   for n in self.federated])])
@@ -142,19 +143,25 @@ class Simulation:
         return total / len(x)
 
     def eval_row(self, step: int, groups_differ: bool) -> dict:
-        """As trainer.eval_row: one model; while the groups differ, their average, with each group's
-        own perplexity beside it."""
-        start, extra = time.perf_counter(), {}
+        """As trainer.eval_row: groups that are identical hold one model, scored on the world's
+        slices of the split; groups that differ are each scored on the whole split, and the loss is
+        their plain average's (full federation) or the mean of their losses (partial federation)."""
+        start = time.perf_counter()
         params = self.groups.by_name()
         world, F = self.shape.world, self.shape.federation
-        if groups_differ:
-            group_losses = self.evaluate(params, world // F)
-            extra = {"group_perplexity": [math.exp(x) for x in group_losses.tolist()], "averaged": True}
-            averaged = dict(zip(self.federated, self.average()))
-            one = {n: averaged[n] if n in averaged else p[0] for n, p in params.items()}
+        if not (groups_differ or self.partial):
+            loss = self.evaluate({n: p[:1] for n, p in params.items()}, world).item()
+            extra = {"eval_of": ONE_MODEL}
         else:
-            one = {n: p[0] for n, p in params.items()}
-        loss = self.evaluate({n: p.unsqueeze(0) for n, p in one.items()}, world).item()
+            group_losses = self.evaluate(params, world // F).tolist()
+            extra = {"group_perplexity": [math.exp(x) for x in group_losses]}
+            if self.partial:
+                loss = sum(group_losses) / len(group_losses)
+                extra["eval_of"] = GROUPS_MEAN
+            else:
+                averaged = dict(zip(self.federated, self.average()))
+                loss = self.evaluate({n: averaged[n].unsqueeze(0) for n in params}, world).item()
+                extra.update(eval_of=AVERAGE, averaged=True)
         return {"split": "eval", "step": step, "loss": loss, "perplexity": math.exp(loss),
                 "time_eval": time.perf_counter() - start, **extra}
 

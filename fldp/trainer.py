@@ -111,20 +111,35 @@ def evaluate(model, cfg, blocks: Blocks, device, groups: int = 1) -> tuple[list[
     return (rows[..., 0].sum(dim=1) / counts).tolist(), rows[..., 2].max().item()
 
 
-def eval_row(model, cfg, blocks: Blocks, device, step: int, fedavg, groups_differ: bool) -> dict:
-    """An evaluation scores one model. While the federation groups differ (between aggregations),
-    that is their average, computed aside (the training state is restored bit for bit), and each
-    group's own perplexity is recorded beside it."""
-    extra, group_time = {}, 0.0
-    if groups_differ:
-        group_losses, group_time = evaluate(model, cfg, blocks, device, groups=fedavg.shape.federation)
-        extra = {"group_perplexity": [math.exp(x) for x in group_losses], "averaged": True}
-        with fedavg.averaged():
-            (loss,), eval_time = evaluate(model, cfg, blocks, device)
-    else:
+# what an evaluation's loss is the loss of (`eval_of` in eval rows and summary.json)
+ONE_MODEL, AVERAGE, GROUPS_MEAN = "the one model", "the groups' average model", "the groups' mean loss"
+
+
+def eval_row(model, cfg, blocks: Blocks, device, step: int, fedavg, groups_differ: bool,
+             partial: bool = False) -> dict:
+    """Score the model, or models, the groups hold; `eval_of` says which loss is the row's `loss`.
+    Groups that are identical hold one model: the world scores it, each rank a slice of the split.
+    Groups that differ: each group scores its own model on the whole split (`group_perplexity`),
+    and the loss is, with full federation (they differ only between aggregations), their plain
+    average's, computed aside (the training state is restored bit for bit); with partial federation
+    (`partial`: some parameters are never averaged, so the groups always differ) the mean of the
+    groups' own losses: their "average" would keep each group's local parameters, no one model."""
+    if not (groups_differ or partial):
         (loss,), eval_time = evaluate(model, cfg, blocks, device)
+        extra = {"eval_of": ONE_MODEL}
+    else:
+        group_losses, eval_time = evaluate(model, cfg, blocks, device, groups=fedavg.shape.federation)
+        extra = {"group_perplexity": [math.exp(x) for x in group_losses]}
+        if partial:
+            loss = sum(group_losses) / len(group_losses)
+            extra["eval_of"] = GROUPS_MEAN
+        else:
+            with fedavg.averaged():
+                (loss,), average_time = evaluate(model, cfg, blocks, device)
+            eval_time += average_time
+            extra.update(eval_of=AVERAGE, averaged=True)
     return {"split": "eval", "step": step, "loss": loss, "perplexity": math.exp(loss),
-            "time_eval": eval_time + group_time, **extra}
+            "time_eval": eval_time, **extra}
 
 
 def sharded_model(cfg, vocab_size: int, mesh, device: torch.device):
@@ -152,6 +167,8 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None)
     fedavg_cfg = FedAvgConfig.from_algorithm(cfg.algorithm)
     fedavg = (FedAvg(model, mesh, shape, fedavg_cfg, last_step=steps, resident=not cfg.trainer.async_save)
               if fedavg_cfg else None)
+    # parameters left out of algorithm.federate stay local: the groups never hold one model
+    partial = fedavg_cfg is not None and not all(fedavg_cfg.federated([n for n, _ in model.named_parameters()]))
     optimizer = build_optimizer(model, cfg.optimizer)
     scheduler = build_scheduler(optimizer, cfg.optimizer, steps)
 
@@ -219,7 +236,8 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None)
         if on_step is not None:
             on_step(step, model, aggregated)
         if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step != steps:
-            evaluation = eval_row(model, cfg, blocks, device, step, fedavg, fedavg is not None and not aggregated)
+            evaluation = eval_row(model, cfg, blocks, device, step, fedavg, fedavg is not None and not aggregated,
+                                  partial)
             if recorder:
                 recorder.log(evaluation)
         if checkpointer is not None and checkpointer.due(step):
@@ -229,8 +247,8 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None)
 
     if checkpointer is not None:
         checkpointer.finish()  # the last async save, if one is in flight
-    # after the last step's forced aggregation every group holds the same model
-    final = eval_row(model, cfg, blocks, device, steps, fedavg, groups_differ=False)
+    # after the last step's forced aggregation every group holds the same model, unless federation is partial
+    final = eval_row(model, cfg, blocks, device, steps, fedavg, groups_differ=False, partial=partial)
     if recorder is None:
         return None
     recorder.log(final)
@@ -259,4 +277,5 @@ def run_summary(cfg, shape, fedavg_cfg, steps: int, world: int, tokens_per_step:
         **summary_fields(cfg), "executor": "simulator" if cfg.cluster.name == "simulate" else "trainer",
         "train_time_s": train_time, "train_loss": last_row["loss"], "train_perplexity": last_row["perplexity"],
         "eval_loss": final["loss"], "eval_perplexity": math.exp(final["loss"]), "eval_time_s": final["time_eval"],
+        "eval_of": final["eval_of"], "group_eval_perplexity": final.get("group_perplexity"),
     }

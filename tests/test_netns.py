@@ -4,6 +4,7 @@ behind (not even by a SIGKILLed launcher), and a machine that cannot build the n
 before any worker starts. Needs root and iproute2; skipped without them (FLDP_REQUIRE_NETNS=1, set
 by CI, makes that an error)."""
 import json
+import logging
 import os
 import signal
 import statistics
@@ -161,7 +162,7 @@ def test_a_sigkilled_launchers_namespaces_are_removed_by_the_next_start(tmp_path
               f"hydra.run.dir={tmp_path / 'next'}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert not _fldp_namespaces(proc.pid), "the killed launcher's namespaces are still there"
-    assert not [ns for ns in netns.namespaces() if not netns._pid_alive(int(ns.split("-")[1]))]
+    assert not [ns for ns in netns.namespaces() if netns.dead(ns)]
 
 
 _SLEEPER = """
@@ -205,6 +206,108 @@ def _children(pid: int) -> list[int]:
         except (OSError, IndexError, ValueError):
             pass
     return kids
+
+
+def _listed(prefix: str) -> list[str]:
+    """`ip netns list`'s names that start with `prefix-`, whatever fldp makes of them."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith(prefix + "-")]
+
+
+def _start_time(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time, clock ticks after boot
+
+
+@needs_netns
+@pytest.mark.timeout(60)
+def test_reap_removes_only_the_namespaces_of_launchers_that_provably_ended():
+    """A launcher that ended and a pid now held by another process (its start time differs) are
+    reaped; a running launcher, and a launcher of another PID namespace, are not."""
+    sleeper = subprocess.Popen(["sleep", "30"])
+    start = _start_time(sleeper.pid)
+    sleeper.kill()
+    sleeper.wait()
+    here, me = os.stat("/proc/self/ns/pid").st_ino, os.getpid()
+    # fldp-<launcher pid>-<its PID namespace's inode>-<its start time>-<node>
+    names = {"ended": f"fldp-{sleeper.pid}-{here}-{start}-sw",
+             "reused": f"fldp-{me}-{here}-{_start_time(me) + 1}-sw",
+             "running": f"fldp-{me}-{here}-{_start_time(me)}-sw",
+             "foreign": f"fldp-{sleeper.pid}-{here + 1}-{start}-sw"}
+    try:
+        for name in names.values():
+            subprocess.run(["ip", "netns", "add", name], check=True)
+        reaped = netns.reap()
+        assert {names["ended"], names["reused"]} <= set(reaped)
+        left = set(netns.namespaces())
+        assert names["running"] in left and names["foreign"] in left
+        assert names["ended"] not in left and names["reused"] not in left
+    finally:
+        for name in names.values():
+            subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+
+
+_FOREIGN = """
+import sys
+from fldp import netns
+network = netns.Network(1, 1, netns.Link(10))
+try:
+    network._add(network.switch)  # a launcher's namespace (create() would also reap)
+    print(network.prefix, flush=True)
+    sys.stdin.read()  # until the test closes it
+finally:
+    network.destroy()
+"""
+
+
+@needs_netns
+@pytest.mark.timeout(60)
+def test_a_live_launcher_in_another_pid_namespace_keeps_its_namespaces():
+    """/run/netns shared with a container: a launcher there has a pid that runs nothing here, and
+    reap() from here must not take it for a dead one. Its pid is set to one free here."""
+    pid = next(p for p in range(31000, 20000, -1) if not os.path.exists(f"/proc/{p}"))
+    proc = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", "sh", "-c",
+                             f'echo {pid - 1} > /proc/sys/kernel/ns_last_pid && "$0" -c "$1"; :',
+                             sys.executable, _FOREIGN],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    prefix = None
+    try:
+        prefix = proc.stdout.readline().strip()
+        if not prefix:
+            pytest.fail(f"the launcher did not start: {proc.stderr.read()[-2000:]}")
+        assert prefix.split("-")[1] == str(pid), prefix
+        assert len(_listed(prefix)) == 1 and not os.path.exists(f"/proc/{pid}")
+        netns.reap()
+        assert len(_listed(prefix)) == 1, "a live launcher's namespace was reaped"
+        proc.stdin.close()  # the launcher ends, and removes its namespace
+        assert proc.wait(timeout=30) == 0, proc.stderr.read()[-2000:]
+        assert not _listed(prefix)
+    finally:
+        proc.kill()
+        proc.wait()
+        for name in _listed(prefix) if prefix else []:
+            subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+
+
+@needs_netns
+@pytest.mark.timeout(60)
+def test_destroy_reports_a_namespace_it_could_not_delete(caplog):
+    network = netns.Network(1, 1, netns.Link(10))
+    path = f"/run/netns/{network.switch}"
+    try:
+        network._add(network.switch)
+        # a second mount on its name: `ip netns delete` unmounts one, then cannot unlink it (EBUSY)
+        subprocess.run(["mount", "--bind", path, path], check=True)
+        with caplog.at_level(logging.WARNING, logger="fldp"):
+            assert network.destroy() == [network.switch]
+        assert f"could not delete network namespace {network.switch}" in caplog.text
+        assert network.switch in netns.namespaces()
+        subprocess.run(["umount", path], check=True)
+        assert network.destroy() == [] and network.switch not in netns.namespaces()  # tried again
+    finally:
+        while subprocess.run(["umount", path], capture_output=True).returncode == 0:
+            pass
+        subprocess.run(["ip", "netns", "delete", network.switch], capture_output=True)
 
 
 def test_without_ip_the_run_fails_before_any_worker_naming_it(tmp_path):

@@ -116,13 +116,24 @@ def test_fedavg_is_outer_sgd_lr1_bit_for_bit_and_diloco_departs_after_the_first_
     assert diloco[:EVERY] == fedavg[:EVERY] and diloco[EVERY] != fedavg[EVERY]
 
 
-def test_partial_federation_and_schedule(tmp_path):
+PARTIAL = ["algorithm=fl_fsdp", "topology=local_8", "trainer.steps=8", "algorithm.every=[[0,1],[2,3]]",
+           "algorithm.federate=[model\\.layers\\..*]", "trainer.eval_every=2", "trainer.eval_batches=null",
+           "dataset.eval_blocks=16", "optimizer.lr=3e-3"]  # the local parameters drift apart visibly
+
+
+@pytest.fixture(scope="module")
+def partial_run(tmp_path_factory):
+    """Only the decoder layers federated; evaluations at 2 (an aggregation), 4, 6 and the end."""
+    out = tmp_path_factory.mktemp("partial")
+    cfg = compose_cfg(*PARTIAL)
+    snap = Snapshot(out, [2, 4, 5, 6, 8], cfg)
+    return cfg, train_world(cfg, out / "run", snap), snap, out / "run"
+
+
+def test_partial_federation_and_schedule(partial_run):
     """Only the decoder layers are federated: they are identical across groups after an aggregation,
     the embeddings, norms and lm_head are not. The schedule aggregates at 1, 2, then every 3."""
-    cfg = compose_cfg("algorithm=fl_fsdp", "topology=local_8", "trainer.steps=8", "algorithm.every=[[0,1],[2,3]]",
-                      "algorithm.federate=[model\\.layers\\..*]")
-    snap = Snapshot(tmp_path, [5], cfg)
-    rows = train_world(cfg, tmp_path / "run", snap)
+    cfg, rows, snap, _ = partial_run
     assert [r["step"] for r in rows if r["aggregated"]] == [1, 2, 5, 8]
     g0, g1 = snap.load(0, 0, 5), snap.load(1, 0, 5)
     for name in g0:
@@ -164,6 +175,38 @@ def test_a_schedule_counts_each_period_from_the_last_aggregation():
         schedule = [[0, rng.randint(1, 9)]] + [[s, rng.randint(1, 9)] for s in starts]
         last = rng.randint(1, 50)
         assert due(schedule, last) == _rule(schedule, last), (schedule, last)
+
+
+def test_partial_federation_evaluates_each_groups_own_model_on_the_whole_split(partial_run):
+    """With partial federation the groups hold different models at every evaluation, the final one
+    included (the last aggregation leaves the local parameters alone): each is scored on the whole
+    held-out split, and the headline is the exp of the mean of their losses, checked against plain
+    single-process models built from the groups' weights."""
+    cfg, _, snap, run_dir = partial_run
+    blocks = prepare(cfg.dataset)
+
+    def score(params):  # mean loss over the whole held-out split (one batch of it), one unsharded model
+        model = build_model(llama_config(cfg.model, blocks.vocab_size))
+        model.load_state_dict(params, strict=False)  # parameters only; the rotary buffer is built
+        with torch.no_grad():
+            return model(input_ids=blocks.eval.long(), labels=blocks.eval.long()).loss.item()
+
+    evals = read_rows(run_dir, "eval")
+    assert [e["step"] for e in evals] == [2, 4, 6, 8]
+    for e in evals:
+        groups = [snap.load(f, 0, e["step"]) for f in range(GROUPS)]
+        assert not identical(*groups), e["step"]
+        losses = [score(g) for g in groups]
+        # sharded vs plain: ~1e-7 apart; a mix of the groups on halves of the split was ~1e-3 off
+        assert e["loss"] == pytest.approx(sum(losses) / GROUPS, rel=1e-6), (e, losses)
+        assert e["group_perplexity"] == pytest.approx([math.exp(x) for x in losses], rel=1e-6), (e, losses)
+        assert e["eval_of"] == "the groups' mean loss" and "averaged" not in e
+    summary = json.loads((run_dir / "summary.json").read_text())
+    final = evals[-1]
+    assert summary["eval_perplexity"] == pytest.approx(math.exp(final["loss"]), rel=1e-12)
+    assert summary["eval_of"] == "the groups' mean loss"
+    assert summary["group_eval_perplexity"] == final["group_perplexity"]
+    assert len(set(summary["group_eval_perplexity"])) == GROUPS  # the groups' models differ
 
 
 def _average_error(cfg, out_path, device):

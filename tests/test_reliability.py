@@ -240,6 +240,59 @@ def test_prune_keeps_the_newest_complete_and_every_incomplete_checkpoint(tmp_pat
     assert latest(tmp_path).name == "step_00000006"
 
 
+STALE = "step_00000010"  # a complete checkpoint of a higher step, left by an earlier run
+
+
+@pytest.fixture(scope="module")
+def synced_run(tmp_path_factory):
+    """FL+FSDP 2x1x1, a checkpoint after each of 2 steps, keep_last=1, in a run directory that holds
+    a complete checkpoint of step 10; os.fsync spied on in every rank: per call, the inode it
+    flushed and which checkpoints were COMPLETE at that moment (appended to a file the ranks share)."""
+    run_dir = tmp_path_factory.mktemp("synced") / "run"
+    stale = run_dir / "checkpoints" / STALE
+    stale.mkdir(parents=True)
+    (stale / "meta.json").write_text("{}")
+    (stale / "COMPLETE").write_text("10")
+    log = run_dir.parent / "fsync.jsonl"
+    real = os.fsync
+
+    def spy(fd):
+        done = sorted(p.parent.name for p in (run_dir / "checkpoints").glob("step_*/COMPLETE"))
+        with open(log, "a") as f:
+            f.write(json.dumps({"inode": os.fstat(fd).st_ino, "complete": done}) + "\n")
+        return real(fd)
+
+    cfg = compose_cfg("algorithm=fl_fsdp", "topology=local_2", "trainer.steps=2", "trainer.checkpoint_every=1",
+                      "trainer.keep_last=1")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "fsync", spy)  # the forked ranks inherit it
+        train_world(cfg, run_dir)
+    return run_dir, [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def test_a_checkpoint_is_on_the_disk_before_it_is_marked_complete(synced_run):
+    """Every file of the checkpoint and every directory holding them is fsynced before COMPLETE
+    exists (else a node crash can leave COMPLETE beside a truncated file), and COMPLETE's own entry
+    and the checkpoint's (the parent directory) after."""
+    run_dir, calls = synced_run
+    path = run_dir / "checkpoints" / "step_00000002"
+    before = {c["inode"] for c in calls if path.name not in c["complete"]}
+    after = {c["inode"] for c in calls if path.name in c["complete"]}
+    files = [p for p in path.rglob("*") if p.name != "COMPLETE"]
+    assert {p.name for p in files} >= {"rank_0.pt", "rank_1.pt", "meta.json", "group_0", "group_1", ".metadata"}
+    for p in [path, *files]:
+        assert p.stat().st_ino in before, f"{p.relative_to(run_dir)} not fsynced before COMPLETE"
+    assert (path / "COMPLETE").stat().st_ino in before  # its data, before its name appears
+    assert path.stat().st_ino in after and path.parent.stat().st_ino in after
+
+
+def test_keep_last_never_deletes_the_checkpoint_just_written(synced_run):
+    """The stale checkpoint of step 10 was completed before this run's: it is the older one."""
+    run_dir, _ = synced_run
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_00000002"]
+    assert latest(run_dir).name == "step_00000002"
+
+
 class WarnAt:
     """on_step: installs the warning handler on every rank (step 0), then signals one rank after
     `step`, as SLURM's warning reaches the ranks of a job at different moments."""

@@ -20,6 +20,10 @@ ALGORITHMS = {
     "fl_hsdp": ["algorithm=fl_hsdp", "algorithm.fedavg.mode=leader_broadcast"],
     "fl_hsdp_all_replicas": ["algorithm=fl_hsdp", "algorithm.fedavg.mode=all_replicas"],
     "diloco_hsdp": ["algorithm=diloco_hsdp"],
+    "fedadam_fsdp": ["algorithm=fl_fsdp", "algorithm.outer.name=adam"],
+    # partial federation (the groups end as different models) on a schedule, evaluated mid-run
+    "partial_schedule": ["algorithm=fl_fsdp", "algorithm.federate=[model\\.layers\\..*]", "algorithm.every=[[0,2],[6,4]]",
+                         "trainer.eval_every=3"],
 }
 TOLERANCE = 1e-5
 
@@ -27,6 +31,10 @@ TOLERANCE = 1e-5
 def simulate(cfg, run_dir) -> tuple[list[float], float]:
     summary = Simulation(cfg, prepare(cfg.dataset), torch.device("cpu")).run(str(run_dir))
     return [r["loss"] for r in read_rows(run_dir)], summary["eval_loss"]
+
+
+def evaluations(run_dir) -> list[tuple]:
+    return [(r["step"], r["eval_of"], r["loss"], *r.get("group_perplexity", [])) for r in read_rows(run_dir, "eval")]
 
 
 @pytest.mark.parametrize("world, batch, shuffle", [(8, 2, True), (6, 3, True), (5, 2, False)])
@@ -52,6 +60,9 @@ def test_simulator_agrees_with_the_distributed_trainer(name, tmp_path):
     worst = max(abs(a - b) for a, b in zip(simulated, trained))
     assert worst <= TOLERANCE, f"{name}: per-step losses differ by up to {worst:.2e}\n{simulated}\n{trained}"
     assert abs(simulated_eval - trained_eval) <= TOLERANCE, (simulated_eval, trained_eval)
+    # every evaluation, mid-run ones included: the same kind of loss, the same values
+    for a, b in zip(evaluations(tmp_path / "sim"), evaluations(tmp_path / "trainer"), strict=True):
+        assert a[:2] == b[:2] and a[2:] == pytest.approx(b[2:], rel=TOLERANCE), (a, b)
 
 
 def test_hsdp_is_fsdp_in_the_simulator(tmp_path):
