@@ -6,55 +6,40 @@ the mean of the d_i (n - 1 degrees of freedom), mapped back to a ratio a / b = e
 whose interval lies inside the tie band (within TIE of 1) is a tie: the two are equal to within TIE
 (a 1e-6 difference of float summation order, however consistent across seeds, is not a finding). An
 interval that reaches the band but also leaves it is inconclusive: it shows neither an ordering nor
-an equality. One seed gives no interval."""
+an equality. One seed gives no interval.
+
+Claims are judged by `judge` (one definition for every study): the primary claims of a study form
+one family, corrected by Holm's step-down; each gets a direction (reproduced, opposite, tie,
+inconclusive) and a size (whether the paper's own value lies inside the interval)."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
 
 import pandas as pd
+from scipy.stats import t as student_t
 
 LEVEL = 0.95
 TIE = 0.01  # values within 1% of the larger are a tie (analysis/claims.py uses this margin)
 TIE_LOW, TIE_HIGH = 1 - TIE, 1 / (1 - TIE)  # the tie band of a ratio a / b
 
 
-def t_pdf(x: float, df: int) -> float:
-    c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-    return math.exp(c - (df + 1) / 2 * math.log1p(x * x / df))
-
-
-def t_cdf(x: float, df: int, intervals: int = 4000) -> float:
-    """P(T <= x): 1/2 plus Simpson's rule on the density from 0 to |x| (no SciPy among our deps)."""
-    a = abs(x)
-    if a == 0:
-        return 0.5
-    h = a / intervals
-    s = t_pdf(0, df) + t_pdf(a, df) + sum((4 if k % 2 else 2) * t_pdf(k * h, df) for k in range(1, intervals))
-    half = s * h / 3
-    return 0.5 + half if x > 0 else 0.5 - half
-
-
-@lru_cache(maxsize=None)  # a report asks for the same few (p, df) dozens of times
 def t_quantile(p: float, df: int) -> float:
-    """x with P(T <= x) = p, for p in (0.5, 1): bisection on t_cdf."""
-    lo, hi = 0.0, 1.0
-    while t_cdf(hi, df) < p:
-        lo, hi = hi, hi * 2
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if t_cdf(mid, df) < p else (lo, mid)
-    return (lo + hi) / 2
+    """x with P(T <= x) = p for Student's t with df degrees of freedom."""
+    return float(student_t.ppf(p, df))
 
 
 @dataclass(frozen=True)
 class Ratio:
-    """a / b over paired seeds: the geometric mean of the per-seed ratios and its interval."""
+    """a / b over paired seeds: the geometric mean of the per-seed ratios and its interval (at
+    `level`); `p`: the paired t-test's two-sided p-value for a / b = 1; `sd`: of the log ratios."""
     ratio: float
     low: float
     high: float
     seeds: int
+    p: float = math.nan
+    sd: float = math.nan
+    level: float = LEVEL
 
     @property
     def verdict(self) -> str:
@@ -74,16 +59,24 @@ class Ratio:
         return f"{self.ratio:.{decimals}f} [{self.low:.{decimals}f}, {self.high:.{decimals}f}]"
 
 
-def paired_ratio(a: pd.Series, b: pd.Series) -> Ratio:
+def paired_ratio(a: pd.Series, b: pd.Series, level: float = LEVEL) -> Ratio:
     """a / b, paired by index (the seed); seeds present in only one side are left out."""
     both = pd.concat({"a": a, "b": b}, axis=1).dropna()
     d = both["a"].map(math.log) - both["b"].map(math.log)
-    mean, low, high = mean_interval(d)
-    return Ratio(math.exp(mean), math.exp(low), math.exp(high), len(d))
+    mean, low, high = mean_interval(d, level)
+    n = len(d)
+    sd = float(d.std(ddof=1)) if n > 1 else math.nan
+    if n < 2:
+        p = math.nan
+    elif sd == 0:
+        p = 1.0 if mean == 0 else 0.0
+    else:
+        p = float(2 * student_t.sf(abs(mean) / (sd / math.sqrt(n)), n - 1))
+    return Ratio(math.exp(mean), math.exp(low), math.exp(high), n, p, sd, level)
 
 
-def mean_interval(values: pd.Series) -> tuple[float, float, float]:
-    """Mean and its 95% t-interval (NaN bounds for fewer than two values)."""
+def mean_interval(values: pd.Series, level: float = LEVEL) -> tuple[float, float, float]:
+    """Mean and its t-interval at `level` (NaN bounds for fewer than two values)."""
     v = values.dropna().to_list()
     n = len(v)
     if n == 0:
@@ -92,5 +85,73 @@ def mean_interval(values: pd.Series) -> tuple[float, float, float]:
     if n == 1:
         return mean, math.nan, math.nan
     sd = math.sqrt(sum((x - mean) ** 2 for x in v) / (n - 1))
-    half = t_quantile(0.5 + LEVEL / 2, n - 1) * sd / math.sqrt(n)
+    half = t_quantile(0.5 + level / 2, n - 1) * sd / math.sqrt(n)
     return mean, mean - half, mean + half
+
+
+# --- verdicts on a family of claims -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Claim:
+    """A claim of the paper as a ratio a / b of a metric over paired seeds (lower perplexity: the
+    worse algorithm on top), with the paper's own value of that ratio (> 1: a above b)."""
+    name: str
+    a: pd.Series
+    b: pd.Series
+    paper: float
+
+
+def direction(r: Ratio, paper: float) -> str:
+    """reproduced (the interval beyond the tie band on the paper's side), opposite (beyond it on the
+    other side), tie (inside it), inconclusive (reaching into it and out), n/a (one seed)."""
+    v = r.verdict
+    if v in (">", "<"):
+        return "reproduced" if v == (">" if paper > 1 else "<") else "opposite"
+    return v
+
+
+def size(r: Ratio, paper: float) -> str:
+    """Whether the paper's value lies inside the interval."""
+    if r.seeds < 2:
+        return "n/a"
+    return "paper's value inside" if r.low <= paper <= r.high else "effect size refuted at this scale"
+
+
+def holm_levels(p_values: list[float], alpha: float = 1 - LEVEL) -> list[float]:
+    """The interval level Holm's step-down judges each claim at. Ranked by p-value (smallest first),
+    the claim of rank k of m is tested at alpha / (m - k + 1) while every claim before it was
+    rejected (its p below its threshold); from the first that was not, every later claim gets the
+    Bonferroni level alpha / m. Level = 1 - that threshold."""
+    m = len(p_values)
+    order = sorted(range(m), key=lambda i: (math.isnan(p_values[i]), p_values[i]))
+    levels, stepping = [0.0] * m, True
+    for k, i in enumerate(order):
+        threshold = alpha / (m - k) if stepping else alpha / m
+        stepping = stepping and p_values[i] < threshold
+        levels[i] = 1 - threshold
+    return levels
+
+
+def judge(claims: list[Claim], alpha: float = 1 - LEVEL) -> pd.DataFrame:
+    """Each claim's ratio, its interval at the Holm level, the paper's value, the direction and the
+    size verdicts, and the seeds: one row per claim, in the given order."""
+    plain = [paired_ratio(c.a, c.b) for c in claims]
+    levels = holm_levels([r.p for r in plain], alpha)
+    rows = []
+    for c, level in zip(claims, levels):
+        r = paired_ratio(c.a, c.b, level)
+        rows.append({"claim": c.name, "ratio": r.ratio, "lo": r.low, "hi": r.high, "level": level,
+                     "paper": c.paper, "direction": direction(r, c.paper), "size": size(r, c.paper),
+                     "seeds": r.seeds, "p": r.p, "sd_log": r.sd})
+    return pd.DataFrame(rows)
+
+
+def seeds_for(sd_log: float, half_width: float, level: float = LEVEL) -> int:
+    """Seeds for an interval of half-width at most `half_width` on the ratio (relative, on the
+    log scale: 0.02 is +-2%), given the paired SD of the log ratios (a pilot's): the least n with
+    t(n - 1) * sd / sqrt(n) <= log(1 + half_width)."""
+    target = math.log1p(half_width)
+    n = 2
+    while t_quantile(0.5 + level / 2, n - 1) * sd_log / math.sqrt(n) > target:
+        n += 1
+    return n

@@ -77,10 +77,11 @@ class Simulation:
         if self.fedavg is not None:
             keep = self.fedavg.federated(self.groups.names)
             self.federated = [n for n, k in zip(self.groups.names, keep) if k]
-        self.partial = len(self.federated) < len(self.groups.names) if self.fedavg is not None else False
             if not self.fedavg.outer.averages:  # one bucket: the anchor is group 0's federated weights
                 self.outer = Outer(self.fedavg.outer, [torch.cat([self.groups[n][0].reshape(-1)
                                                                   for n in self.federated])])
+        # parameters left out of algorithm.federate stay local: the groups never hold one model
+        self.partial = self.fedavg is not None and len(self.federated) < len(self.groups.names)
 
     # --- the model, batched over groups --------------------------------------------------------
     def _loss(self, params: dict, x: torch.Tensor) -> torch.Tensor:
