@@ -1,0 +1,87 @@
+"""The verdict rules every study shares (analysis.stats: Holm, direction, size, seeds) against hand
+computations, and the paper-shape study's decisions (analysis.paper_shape) on made-up runs."""
+import math
+
+import pandas as pd
+import pytest
+
+from analysis import paper as paper_values
+from analysis.paper_shape import chosen_lrs, decide, findings, tuning
+from analysis.stats import Claim, direction, holm_levels, judge, paired_ratio, seeds_for, size
+
+
+def test_holm_levels_step_down_then_bonferroni():
+    # ranked: 0.005 (< 0.05/4 rejected), 0.01 (< 0.05/3 rejected), 0.03 (not < 0.05/2: stops), 0.04
+    levels = holm_levels([0.01, 0.04, 0.03, 0.005])
+    assert levels == pytest.approx([1 - 0.05 / 3, 1 - 0.05 / 4, 1 - 0.05 / 2, 1 - 0.05 / 4])
+    assert holm_levels([0.001, 0.002]) == pytest.approx([1 - 0.025, 1 - 0.05])  # all rejected: the last at 5%
+
+
+def test_seeds_for_a_half_width_matches_the_t_table():
+    # t(0.975, 31) = 2.0395: 2.0395 * 0.05 / sqrt(32) = 0.01803 > log(1.018) = 0.01784; t(0.975, 32) =
+    # 2.0369: 2.0369 * 0.05 / sqrt(33) = 0.01773 <= 0.01784
+    assert seeds_for(0.05, 0.018) == 33
+    assert seeds_for(0.001, 0.02) == 2
+
+
+def test_direction_and_size_read_the_interval_not_the_mean():
+    seeds = range(6)
+    b = pd.Series([100.0] * 6, index=seeds)
+    up = paired_ratio(b * pd.Series([1.10, 1.12, 1.09, 1.11, 1.10, 1.12], index=seeds), b)
+    assert direction(up, 1.9) == "reproduced" and direction(up, 0.5) == "opposite"
+    assert size(up, 1.9) == "effect size refuted at this scale" and size(up, 1.105) == "paper's value inside"
+    noisy = paired_ratio(b * pd.Series([1.3, 0.8, 1.25, 0.85, 1.2, 0.9], index=seeds), b)
+    assert noisy.ratio > 1 and direction(noisy, 1.9) == "inconclusive"  # a mean above 1 is no verdict
+    two = paired_ratio(b.iloc[:2] * 1.5, b.iloc[:2])
+    assert direction(two, 1.5) in ("reproduced", "tie", "inconclusive")  # two seeds: an interval, t(1) wide
+
+
+def test_judge_widens_intervals_by_holm():
+    seeds = range(8)
+    b = pd.Series([100.0] * 8, index=seeds)
+    noise = pd.Series([1.0, 1.02, 0.99, 1.01, 0.98, 1.03, 1.0, 0.97], index=seeds)
+    claims = [Claim("strong", b * 1.5 * noise, b, 1.5), Claim("weak", b * 1.015 * noise, b, 1.5)]
+    t = judge(claims).set_index("claim")
+    alone = paired_ratio(b * 1.015 * noise, b)
+    assert t.loc["strong", "level"] == pytest.approx(1 - 0.05 / 2)
+    assert t.loc["weak", "hi"] - t.loc["weak", "lo"] >= alone.high - alone.low  # never narrower than 95%
+    assert t.loc["strong", "direction"] == "reproduced" and t.loc["strong", "size"] == "paper's value inside"
+
+
+def runs(rows):
+    return pd.DataFrame([{"loss": [1.0], "eval_loss": math.log(r[4]), **dict(zip(
+        ("phase", "algorithm", "seed", "lr", "eval_perplexity"), r))} for r in rows])
+
+
+def test_the_plans_lr_rule_extends_a_grid_edge_once():
+    rows = [("tune", a, s, lr, 100 * (1 + abs(math.log10(lr) + (1 if a == "fsdp" else 2))) + s)
+            for a in ("fsdp", "fl_fsdp", "fl_hsdp") for s in (100, 101) for lr in (1e-3, 3e-3, 1e-2, 3e-2, 1e-1)]
+    chosen, extend = chosen_lrs(tuning(runs(rows)))
+    assert chosen == {"fsdp": 0.1, "fl_fsdp": 1e-2, "fl_hsdp": 1e-2}
+    assert extend == {"fsdp": pytest.approx(0.1 * math.sqrt(10))}  # FSDP's best is the grid's top
+    rows += [("tune", "fsdp", s, 0.316, 90.0) for s in (100, 101)]
+    chosen, extend = chosen_lrs(tuning(runs(rows)))
+    assert chosen["fsdp"] == 0.316 and extend == {}  # extended once, never again
+
+
+def test_decide_and_findings_on_made_up_runs():
+    paper = paper_values.load(None)
+    lrs = {"fsdp": 1e-2, "fl_fsdp": 3e-3, "fl_hsdp": 1e-2}
+    ppl = {"fsdp": 500.0, "fl_fsdp": 520.0, "fl_hsdp": 480.0}
+    rows = [("tune", a, s, lr, ppl[a] * (1 if lr == lrs[a] else 1.2)) for a in lrs for s in (100, 101)
+            for lr in (1e-3, 3e-3, 1e-2, 3e-2)]
+    jitter = [1.0, 1.01, 0.99, 1.02, 0.98]
+    rows += [("pilot", a, 200 + i, lrs[a], ppl[a] * j * (1.01 if a == "fl_hsdp" else 1)) for a in lrs
+             for i, j in enumerate(jitter)]
+    df = runs(rows)
+    lines = decide(df, None, paper)
+    assert "lr_fsdp=0.01" in lines and "lr_fl_fsdp=0.003" in lines
+    seeds = int([x for x in lines if x.startswith("seeds=")][0].split("=")[1])
+    assert seeds >= 10
+    df = pd.concat([df, runs([("judge", a, s, lr, ppl[a] * jitter[s % 5] * (1 + 0.002 * (s % 3)))
+                              for a in lrs for s in range(12) for lr in {lrs[a], lrs["fsdp"]}])])
+    f = findings(df, lrs, paper)
+    assert list(f.columns[:9]) == ["claim", "setting", "ratio", "lo", "hi", "level", "paper", "direction", "size"]
+    primary = f[f["setting"].str.contains("primary")].set_index("claim")
+    assert primary.loc["FL+FSDP reaches a lower perplexity than FSDP", "direction"] == "opposite"  # 500 / 520
+    assert primary.loc["FL+HSDP reaches a lower perplexity than FSDP", "size"] == "effect size refuted at this scale"
