@@ -22,8 +22,9 @@ TABLE4 = (*PHASES, "overall")
 def _is_result(key: str) -> bool:
     return key == "seed" or key.startswith(("train_", "eval_")) or key.endswith("_s")
 
-# follow from other settings (schedule, aggregation_steps: from every and steps); never worth a label
-DERIVED = {"tokens", "world_size", "schedule", "aggregation_steps"}
+# follow from other settings (schedule, aggregation_steps: from every and steps), or say where a run
+# came from, not what it computed (commit); never worth a label
+DERIVED = {"tokens", "world_size", "schedule", "aggregation_steps", "commit"}
 
 
 def setup(run: Run) -> dict:

@@ -9,7 +9,7 @@
 #   judge   each arm at its chosen lr, and at the shared lr (FSDP's) where that differs, seeds 0..N-1
 # then OUT/report/ (python -m analysis.paper_shape). Run again with the same OUT: finished points are
 # skipped (trainer.skip_finished). --until PHASE stops after that phase (say, tune and pilot today,
-# judge another day). --reduced (CI, ~4 min): 8 steps, lr 1e-2 and 3e-2, one tuning seed, pilot on 2
+# judge another day). --reduced (CI, ~3 min idle): 4 steps, lr 1e-2 and 3e-2, one tuning seed, pilot on 2
 # seeds, N = 2; it checks the pipeline, its numbers judge nothing.
 set -uo pipefail
 OUT=
@@ -37,7 +37,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/paper_shape/$(date +%Y-%m-%d_%H-%M-%S)}
 ARMS=(fsdp fl_fsdp fl_hsdp)
 if [ "$REDUCED" = 1 ]; then
-    GRID=1e-2,3e-2; TUNE_SEEDS=100; PILOT_SEEDS=200,201; FIXED_N=2; OVERRIDES=(trainer.steps=8 "${OVERRIDES[@]}")
+    GRID=1e-2,3e-2; TUNE_SEEDS=100; PILOT_SEEDS=200,201; FIXED_N=2; OVERRIDES=(trainer.steps=4 "${OVERRIDES[@]}")
 else
     GRID=1e-3,3e-3,1e-2,3e-2,1e-1; TUNE_SEEDS=100,101; PILOT_SEEDS=200,201,202,203,204; FIXED_N=
 fi

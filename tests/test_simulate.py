@@ -1,6 +1,7 @@
 """cluster=simulate (fldp/simulate.py) computes what the distributed trainer computes: the same losses
 step by step and the same final evaluation, for every algorithm, from one process."""
 import json
+import re
 
 import pytest
 import torch
@@ -82,6 +83,7 @@ def test_the_paper_shape_runs_from_the_command_line(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert (summary["federation"], summary["replicate"], summary["shard"], summary["world_size"]) == (128, 1, 4, 512)
     assert summary["executor"] == "simulator" and summary["network"] == "none"
+    assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", summary["commit"])  # the fldp that ran: this checkout
     assert summary["tokens"] == 2 * 512 * 2 * 16
 
 
