@@ -206,8 +206,9 @@ def report(df: pd.DataFrame, paper: dict, out: Path, command: str, elapsed: floa
                   "\nHSDP ends with a higher perplexity than FSDP (paper 2.35): a tie by construction (one computation).\n"]
         figure(df, chosen, out)
         parts.append("![lr grid and judging seeds](figure.png)\n")
+    plan = PLAN.read_text().splitlines() if PLAN.exists() else ["(not found: an installed analysis has no experiments/)"]
     parts.append(f"## The plan\n\n(quoted from experiments/paper_shape/PLAN.md; intervals at {LEVEL:.0%} before Holm)\n\n"
-                 + "\n".join("> " + line for line in PLAN.read_text().splitlines()))
+                 + "\n".join("> " + line for line in plan))
     path = out / "report.md"
     path.write_text("\n".join(parts) + "\n")
     return path
