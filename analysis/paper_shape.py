@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -163,15 +164,18 @@ def hsdp_check(df: pd.DataFrame) -> str:
 
 def figure(df: pd.DataFrame, chosen: dict, out: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for a, row in tuning(df).iterrows():
-        left.plot(row.index, row.values, marker="o", label=NAMES.get(a, a))
+    table = tuning(df)
+    for i, a in enumerate(ARMS):  # one colour per arm in both panels
+        if a in table.index:
+            row = table.loc[a].dropna()
+            left.plot(row.index, row.values, marker="o", color=f"C{i}", label=NAMES.get(a, a))
     left.set(xscale="log", yscale="log", xlabel="learning rate", ylabel="eval perplexity (geometric mean, tuning seeds)",
              title="lr grid")
     left.legend()
     judged = df[df["phase"] == "judge"]
     for i, a in enumerate(ARMS):
         v = judged[(judged["algorithm"] == a) & (judged["lr"] == chosen.get(a))]["eval_perplexity"]
-        right.scatter([i] * len(v), v, alpha=0.6)
+        right.scatter([i] * len(v), v, alpha=0.6, color=f"C{i}")
     right.set_xticks(range(len(ARMS)), [f"{NAMES.get(a, a)}\nlr {chosen.get(a, math.nan):g}" for a in ARMS])
     right.set(ylabel="eval perplexity (each judging seed)", title="chosen lr")
     fig.tight_layout()
@@ -187,22 +191,22 @@ def report(df: pd.DataFrame, paper: dict, out: Path, command: str, elapsed: floa
     chosen, extend = chosen_lrs(table)
     parts = [f"# The paper-shape study\n\n`{command}`"
              + (f"; runs took {elapsed / 60:.1f} min" if elapsed else "") + f". {len(df)} runs.\n",
-             "## Learning rate (tuning seeds)\n", markdown(table.reset_index()),
+             "## Learning rate (tuning seeds)\n", markdown(table.round(1).reset_index()),
              "\nChosen: " + ", ".join(f"{NAMES.get(a, a)} {lr:g}" for a, lr in chosen.items())
              + (f"; still at a grid edge: {', '.join(extend)}" if extend else "") + "\n",
              f"## HSDP\n\n{hsdp_check(df)}.\n"]
     if len(chosen) == len(ARMS) and (df["phase"] == "pilot").any():
         p = pilot(df, chosen, paper)
         p.to_csv(out / "pilot.csv", index=False)
-        parts += ["## Pilot: the seeds the plan asks for\n", markdown(p), ""]
+        parts += ["## Pilot: the seeds the plan asks for\n", markdown(p.round({"sd_log": 4})), ""]
     if len(chosen) == len(ARMS) and (df["phase"] == "judge").any():
         f = findings(df, chosen, paper)
         f.to_csv(out / "findings.csv", index=False)
         shown = f.assign(interval=[f"{r:.3f} [{lo:.3f}, {hi:.3f}] at {lv:.4f}" for r, lo, hi, lv
                                    in zip(f["ratio"], f["lo"], f["hi"], f["level"])],
                          target=["met" if w <= TARGET else "MISSED" for w in f["half_width"]])
-        parts += ["## Verdicts\n", markdown(shown[["claim", "setting", "interval", "paper", "direction", "size",
-                                                  "seeds", "target"]]),
+        parts += ["## Verdicts\n", markdown(shown.round({"paper": 2})[["claim", "setting", "interval", "paper",
+                                                                     "direction", "size", "seeds", "target"]]),
                   "\nHSDP ends with a higher perplexity than FSDP (paper 2.35): a tie by construction (one computation).\n"]
         figure(df, chosen, out)
         parts.append("![lr grid and judging seeds](figure.png)\n")
@@ -234,7 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.decide:
         print("\n".join(decide(df, args.seeds, paper)))
         return 0
-    command = "python -m analysis.paper_shape " + shlex.join(argv if argv is not None else sys.argv[1:])
+    # paths under the working directory shown relative to it: no machine's absolute path in a report
+    shown = [os.path.relpath(a) if os.path.isabs(a) and a.startswith(os.getcwd() + os.sep) else a
+             for a in (argv if argv is not None else sys.argv[1:])]
+    command = "python -m analysis.paper_shape " + shlex.join(shown)
     path = report(df, paper, args.out, command, args.elapsed)
     print(f"analysis.paper_shape: {len(runs)} runs, {len(problems)} skipped; wrote {path}")
     return 1 if args.strict and problems else 0
