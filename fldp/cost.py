@@ -182,7 +182,8 @@ def predict(units: Units, shape: MeshShape, bandwidth: dict[str, float], every=N
     """every: an integer A or a schedule (None: no aggregation); steps: the run's length, over which
     the aggregations are amortised (None: the schedule's long-run rate, 1 / its last A); federated:
     per parameter, whether FedAvg averages it (None: all); reduce_element_size: bytes per element of
-    FedAvg's all-reduce and broadcast (None: the parameters')."""
+    FedAvg's all-reduce (None: the parameters'); its broadcast to the replicas carries the new
+    weights in the parameters' dtype."""
     F, R, S = shape.federation, shape.replicate, shape.shard
     B_S, B_R, B_F = bandwidth["shard"], bandwidth["replicate"], bandwidth["federation"]
     aggregates = every is not None and F > 1
@@ -197,12 +198,13 @@ def predict(units: Units, shape: MeshShape, bandwidth: dict[str, float], every=N
 
     # --- paper variant: M L with M the (unpadded) layer shard size; FedAvg's of the federated ones
     ML = units.total_bytes() / S
-    ML_fed = sum(math.prod(dims) for (dims, _), k in zip(units.params, keep) if k) * units.element_size * cast / S
+    ML_weights = sum(math.prod(dims) for (dims, _), k in zip(units.params, keep) if k) * units.element_size / S
+    ML_fed = ML_weights * cast
     pred.paper = {
         "shard": 2 * C_AG(ML, S, B_S) + C_RS(ML, S, B_S),                        # Eq. 1
         "replicate": C_AR(ML, R, B_R),                                           # Eq. 2
         "federation": C_AR(ML_fed, F, B_F) * rate,                               # Eq. 3-4
-        "broadcast": C_BC(ML_fed, R, B_R) * rate if R > 1 and mode == "leader_broadcast" else 0.0,  # Eq. 5
+        "broadcast": C_BC(ML_weights, R, B_R) * rate if R > 1 and mode == "leader_broadcast" else 0.0,  # Eq. 5
     }
 
     # --- exact variant: FSDP2 units, padding; per unit one reduce-scatter and two all-gathers
@@ -216,16 +218,17 @@ def predict(units: Units, shape: MeshShape, bandwidth: dict[str, float], every=N
     if R > 1:
         pred.step_bytes["replicate"] = 2 * (R - 1) / R * sum(padded)
         pred.step_collectives["replicate"] = L
-    payload = 0.0  # bytes of one aggregation's all-reduce (and broadcast) input on this rank
+    payload = weights = 0.0  # bytes of one aggregation's all-reduce input, and of its broadcast, on this rank
     if aggregates:
         # FedAvg buckets the federated, non-empty local shards by their own size, then casts
         local = [b for b, k in zip(units.local_shards(S, 0), keep) if k and b]
         buckets = len(bucket_indices([(b, None) for b in local], int(bucket_mb * 2**20)))
-        payload = sum(local) * cast
+        weights = sum(local)
+        payload = weights * cast
         pred.aggregation_bytes["federation"] = 2 * (F - 1) / F * payload
         pred.aggregation_collectives["federation"] = buckets
         if R > 1 and mode == "leader_broadcast":
-            pred.aggregation_bytes["replicate"] = (R - 1) / R * payload
+            pred.aggregation_bytes["replicate"] = (R - 1) / R * weights
             pred.aggregation_collectives["replicate"] = buckets
     pred.bytes_per_step = {d: pred.step_bytes.get(d, 0.0) + pred.aggregation_bytes.get(d, 0.0) * rate for d in DIMS}
     fed_bcast = pred.aggregation_bytes.get("replicate", 0.0) * rate
@@ -252,7 +255,7 @@ def predict(units: Units, shape: MeshShape, bandwidth: dict[str, float], every=N
         "shard": (S - 1) * sum(b * (g + 2) for b, g in zip(padded, gathers)),
         "replicate": pred.step_bytes.get("replicate", 0.0),
         "federation": pred.aggregation_bytes.get("federation", 0.0) * rate,
-        "broadcast": (R - 1) * payload * rate if ring["broadcast"] else 0.0,
+        "broadcast": (R - 1) * weights * rate if ring["broadcast"] else 0.0,
     }
     pred.gloo = {term: sent / bandwidth[_DIM_OF.get(term, term)] + lat[_DIM_OF.get(term, term)] * ring[term]
                  for term, sent in pred.gloo_bytes.items()}

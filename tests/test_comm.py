@@ -44,6 +44,12 @@ def test_schedule_federate_and_reduce_dtype_on_a_hand_computed_example():
     assert p.aggregation_bytes["federation"] == 2 * (2 - 1) / 2 * 2000
     assert p.bytes_per_step["federation"] == 2000 * 3 / 6
     assert p.paper["federation"] == pytest.approx(2 * 2000 * (2 - 1) / (2 * 500) * 3 / 6)  # Eq. 3, M L = 2,000
+    # with replicas: the leader broadcasts the new weights in the parameters' dtype (1,000 bytes of
+    # `a`'s shard, not the fp32 sum's 2,000): half of them cross to the one other replica
+    h = predict(units, MeshShape(2, 2, 2), bw, every=[[0, 2], [3, 3]], steps=6, federated=[True, False],
+                reduce_element_size=4)
+    assert h.aggregation_bytes["replicate"] == (2 - 1) / 2 * 1000 and h.aggregation_bytes["federation"] == 2000
+    assert h.paper["broadcast"] == pytest.approx(1000 / 1000 * 3 / 6)  # Eq. 5 on M L = 1,000 bytes
     # no steps: the long-run rate, one aggregation per last A; all federated, in the parameters' dtype
     q = predict(units, MeshShape(2, 1, 2), bw, every=[[0, 2], [3, 3]])
     assert q.aggregations_per_step == 1 / 3 and q.aggregation_bytes["federation"] == 1000 + 1 * 100 * 2
