@@ -18,6 +18,7 @@ from . import claims, paper as paper_values, render, tables
 from .discover import collect_for, reports_parser
 from .figure import perplexity_figure, save
 from .records import Run
+from .stats import MIN_SEEDS, TIE_HIGH, TIE_LOW
 
 # Summary/config keys that differ between algorithms by design (they ARE the algorithm).
 _ALGORITHM_KEYS = ("algorithm", "federation", "replicate", "shard", "every", "schedule", "aggregation_steps",
@@ -63,18 +64,33 @@ def _table_files(report: Report, stem: str, numeric: pd.DataFrame, headers: dict
     return md
 
 
+def _interval(ratio: float, low: float, high: float, seeds: int, decimals: int = 2) -> str:
+    if seeds < 2:
+        return f"{ratio:.{decimals}f} (1 seed, no interval)" if seeds else "no runs"
+    return f"{ratio:.{decimals}f} [{low:.{decimals}f}, {high:.{decimals}f}]"
+
+
 def _ratio_md(df: pd.DataFrame) -> str:
     show = pd.DataFrame({
         "ratio": df["ratio"],
-        "runs (mean ± std over seeds)": [render.cell(m, s) if m == m else "n/a"
-                                         for m, s in zip(df["runs_mean"], df["runs_std"])],
+        "runs (paired by seed) [95% CI]": [_interval(*v) for v in zip(df["runs_ratio"], df["runs_low"],
+                                                                      df["runs_high"], df["seeds"])],
         "seeds": df["seeds"],
         "paper (quoted)": df["paper_quoted"].map("{:.2f}".format),
         "paper (from Table 3)": df["paper_table3"].map("{:.2f}".format),
-        "same side of 1": df["same_side_of_1"].map({True: "yes", False: "no", None: "n/a",
-                                                    "tie": f"tie (within {claims.TIE:.0%} of 1)"}),
     })
     return render.markdown(show)
+
+
+def _findings_md(found: pd.DataFrame) -> str:
+    show = found.assign(
+        paper=[f"{v:.2f}" if v == v else "" for v in found["paper"]],
+        level=[f"{v:.2%}" if v == v else "" for v in found["level"]],
+        seeds=found["seeds"].astype("string").fillna(""),
+        **{"runs [CI]": [_interval(r.ratio, r.lo, r.hi, r.seeds, 3) if r.comparison else r.runs
+                         for r in found.itertuples()]})
+    return render.markdown(show[["family", "finding", "comparison", "paper", "runs [CI]", "level", "direction",
+                                 "size", "seeds"]])
 
 
 def build(runs: list[Run], problems: list[str], out: Path, paper: dict, command: str) -> Report:
@@ -102,7 +118,7 @@ def build(runs: list[Run], problems: list[str], out: Path, paper: dict, command:
     _write(report, "ratios.md", ratio_md)
     found = claims.findings(paper, values, runs)
     _write(report, "findings.csv", found.to_csv(index=False))
-    findings_md = render.markdown(found[["finding", "paper", "runs", "seeds holding", "verdict"]])
+    findings_md = _findings_md(found)
     _write(report, "findings.md", findings_md)
 
     _write(report, "report.md", _report_md(report, paper, command, t3, md3, md4, ratio_md, findings_md,
@@ -126,8 +142,8 @@ def _report_md(report, paper, command, t3, md3, md4, ratio_md, findings_md, foun
     setup_line = ("identical in every run, apart from the algorithm and its mesh" if not differ else
                   "NOT identical: " + "; ".join(f"`{k}` takes {', '.join(v)}" for k, v in differ.items()))
     first = runs[0].summary
-    tally = {k: sum(v.startswith(k) for v in found["verdict"])
-             for k in ("reproduced", "not reproduced", "mixed", "not tested")}
+    primary = found[found["family"] == "primary"]
+    tally = primary["direction"].value_counts()
     lines = [
         "# Tables 3-4 and Figure 2, regenerated",
         "",
@@ -150,13 +166,20 @@ def _report_md(report, paper, command, t3, md3, md4, ratio_md, findings_md, foun
         lines += ["Notes:", ""] + [f"- {n}" for n in notes] + [""]
     lines += [
         "## Findings of the paper: reproduced or not", "",
-        f"{tally['reproduced']} reproduced, {tally['not reproduced']} not reproduced, {tally['mixed']} "
-        f"mixed across seeds, {tally['not tested']} not tested, of {len(found)}. A finding holds when it "
-        f"holds on the mean over seeds and in every seed; values within {claims.TIE:.0%} of each other "
-        "are a tie, which no ordering claim survives.", "",
+        "Primary family (the paper's five perplexity claims, judged together with Holm's step-down): "
+        + ", ".join(f"{n} {d}" for d, n in tally.items()) + f", of {len(primary)}. Each finding is a ratio "
+        "the paper finds above 1, paired by seed (same seed = same initial weights and data order): the "
+        "geometric mean of the per-seed ratios and a Student-t interval on the mean log ratio, at the level "
+        "in `level` (analysis/stats.py). *Direction*: reproduced when the interval lies beyond the tie band "
+        f"({TIE_LOW:.3f}-{TIE_HIGH:.3f}) on the paper's side, opposite beyond it on the other, tie inside it, "
+        "inconclusive reaching into it and out; *size*: whether the paper's own ratio lies inside the "
+        f"interval. Fewer than {MIN_SEEDS} seeds give no verdict (n/a). The time findings are exploratory "
+        "(a plain 95% interval each, no correction for the number of comparisons): shown, not findings. "
+        "The records check reads every run's aggregation steps: a property of the code, not a statistic.", "",
         findings_md, "",
         "## Headline ratios", "", ratio_md,
-        "Runs: the ratio in each seed (same seed = same initial weights and data order), then mean ± std.",
+        "Runs: the geometric mean of the per-seed ratios and its 95% interval, described (the verdicts "
+        "are the findings above).",
         "", "## Table 3", "", md3,
         "Train perplexity: the last step's; train time: the sum of the step times; eval perplexity and "
         "time: `summary.json`. Cells: mean ± std across seeds (std omitted for one seed).", "",

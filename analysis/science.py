@@ -1,4 +1,4 @@
-"""The study's report: which of the paper's claims survive controls, each verdict from a 95% interval.
+"""The study's report: which of the paper's claims survive controls.
 
     python -m analysis.science RUNS... --out DIR [--elapsed SECONDS]
 
@@ -6,7 +6,10 @@ Reads any runs (experiments/science.sh makes them) and sorts each by what it is,
 records: precision, learning rate, A, mesh, per-update batch, steps, network. The paper-shaped runs
 (the largest world, the topology's layout for the algorithm) at the most common learning rate and
 step count are the main comparison; smaller FSDP/HSDP meshes are the batch controls; runs on an
-emulated network give the times. Comparisons pair runs by seed (analysis/stats.py)."""
+emulated network give the times. Comparisons pair runs by seed, and every verdict comes from
+analysis/stats.py: the paper's five perplexity claims at the shared learning rate in fp32 are the
+primary family (judged with Holm's correction); everything else is exploratory (a plain 95% interval
+and its direction, not a finding)."""
 from __future__ import annotations
 
 import math
@@ -24,16 +27,14 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
 from . import paper as paper_values  # noqa: E402
+from .claims import PPL_FINDINGS  # noqa: E402  (the primary family)
 from .discover import collect_for, reports_parser  # noqa: E402
 from .records import Run  # noqa: E402
 from .render import markdown  # noqa: E402
-from .stats import TIE_HIGH, TIE_LOW, Ratio, mean_interval, paired_ratio  # noqa: E402
+from .stats import (LEVEL, MIN_SEEDS, TIE_HIGH, TIE_LOW, Claim, Ratio, explore, judge,  # noqa: E402
+                    mean_interval, paired_ratio)
 from .tables import NAMES, ORDER  # noqa: E402
 
-# The paper's perplexity findings: (numerator, denominator) of an eval-perplexity ratio the paper
-# finds above 1 (Table 3), i.e. the denominator reaches the lower perplexity.
-PPL_FINDINGS = [("hsdp", "fl_hsdp"), ("fsdp", "fl_hsdp"), ("fsdp", "fl_fsdp"), ("fl_fsdp", "fl_hsdp"),
-                ("hsdp", "fsdp")]
 TIME_FINDINGS = [("fsdp", "fl_fsdp"), ("hsdp", "fl_fsdp"), ("fl_hsdp", "fl_fsdp")]
 
 
@@ -47,7 +48,9 @@ def describe(run: Run) -> dict:
         "F": s["federation"], "R": s["replicate"], "S": s["shard"], "world": s["world_size"],
         "update_batch": group * s["batch_size"],  # sequences behind one optimiser step of one group
         "steps": s["steps"], "network": s.get("network", "loopback"),
+        "eval_loss": s.get("eval_loss", math.log(s["eval_perplexity"])),
         "eval_perplexity": s["eval_perplexity"], "train_time_s": s["train_time_s"],
+        "commit": s.get("commit") or "",
         "loss": list(run.steps["loss"]),
     }
 
@@ -101,16 +104,10 @@ class Study:
 
 
 def _label(r: Ratio, below: str, above: str) -> str:
-    """A ratio's verdict in words, `below` / `above` naming what an ordering means."""
-    return {"n/a": "untested (fewer than 2 seeds)", "<": below, ">": above,
+    """An exploratory ratio's direction in words, `below` / `above` naming what an ordering means."""
+    return {"n/a": f"n/a (fewer than {MIN_SEEDS} seeds)", "<": below, ">": above,
             "tie": f"tie (interval within {TIE_LOW:.3f}-{TIE_HIGH:.3f})",
             "inconclusive": "inconclusive (interval spans the tie band)"}[r.verdict]
-
-
-def _verdict(r: Ratio) -> str:
-    """For a ratio the paper finds above 1."""
-    text = _label(r, "opposite (interval below 1)", "reproduced")
-    return f"not reproduced: {text}" if r.verdict in ("tie", "inconclusive") else text
 
 
 def _name(a: str) -> str:
@@ -137,30 +134,84 @@ def paper_ratio(paper: dict, num: str, den: str, metric: str = "eval_perplexity"
     return t3["rows"][num][col] / t3["rows"][den][col]
 
 
+def _claim_name(num: str, den: str) -> str:
+    if (num, den) == ("hsdp", "fsdp"):
+        return "HSDP ends with a higher eval perplexity than FSDP"
+    return f"{_name(den)} reaches a lower eval perplexity than {_name(num)}"
+
+
+def ppl_claims(st: Study, paper: dict, precision: str = "fp32", lrs: dict | None = None) -> list[Claim]:
+    """The paper's five perplexity claims as paired ratios, at the shared lr or at `lrs[algorithm]`."""
+    lrs = lrs or {}
+    return [Claim(_claim_name(num, den), st.select(num, precision=precision, lr=lrs.get(num))["eval_perplexity"],
+                  st.select(den, precision=precision, lr=lrs.get(den))["eval_perplexity"], paper_ratio(paper, num, den))
+            for num, den in PPL_FINDINGS]
+
+
+def grid_lrs(st: Study) -> list[float]:
+    """The learning rates the fp32 paper-shaped runs used."""
+    d = st.df
+    return sorted(d.loc[d["paper_mesh"] & (d["precision"] == "fp32") & (d["steps"] == st.steps), "lr"].unique())
+
+
+def interval_text(row) -> str:
+    if row["seeds"] < 2:
+        return f"{row['ratio']:.3f} (1 seed, no interval)" if row["seeds"] else "no runs"
+    return f"{row['ratio']:.3f} [{row['lo']:.3f}, {row['hi']:.3f}]"
+
+
+def _family(frame: pd.DataFrame, family: str, setting: str, pairs: list[tuple[str, str]],
+            what: str = "") -> pd.DataFrame:
+    return frame.assign(family=family, setting=setting,
+                        comparison=[f"{_name(a)} / {_name(b)}{what}" for a, b in pairs])
+
+
 def findings(st: Study, paper: dict) -> pd.DataFrame:
-    """The paper's perplexity findings in each setting, and its time findings on the timed network."""
-    best = best_lrs(st)
-    settings = [("fp32, shared lr", "fp32", {}), ("bf16, shared lr", "bf16", {}),
-                ("fp32, each one's best lr", "fp32", best)]
-    rows = []
-    for num, den in PPL_FINDINGS:
-        in_paper = paper_ratio(paper, num, den)
-        claim = (f"{_name(den)} reaches a lower eval perplexity than {_name(num)}" if num != "hsdp" or den != "fsdp"
-                 else "HSDP ends with a higher eval perplexity than FSDP")
-        for setting, precision, lrs in settings:
-            r = st.ratio(st.select(num, precision=precision, lr=lrs.get(num)),
-                         st.select(den, precision=precision, lr=lrs.get(den)))
-            rows.append({"finding": claim, "paper": f"{in_paper:.2f}", "setting": setting,
-                         "ratio": f"{_name(num)} / {_name(den)}", "runs [95% CI]": r.text(), "seeds": r.seeds,
-                         "verdict": _verdict(r)})
+    """The primary family (the five perplexity claims, fp32, shared lr: Holm), then the exploratory
+    comparisons (plain 95% intervals): the five at every other lr of the grid, in bf16, at each
+    one's best lr, and the time claims on the timed network."""
+    frames = [_family(judge(ppl_claims(st, paper)), "primary", f"fp32, shared lr {st.lr:g}", PPL_FINDINGS)]
+    for lr in grid_lrs(st):
+        if lr != st.lr:
+            frames.append(_family(explore(ppl_claims(st, paper, lrs=dict.fromkeys(ORDER, lr))), "exploratory",
+                                  f"fp32, lr {lr:g} (all)", PPL_FINDINGS))
+    frames.append(_family(explore(ppl_claims(st, paper, "bf16")), "exploratory", f"bf16, shared lr {st.lr:g}",
+                          PPL_FINDINGS))
+    frames.append(_family(explore(ppl_claims(st, paper, lrs=best_lrs(st))), "exploratory",
+                          "fp32, each one's best lr (picked on these seeds)", PPL_FINDINGS))
     network = st.timed_network
-    for num, den in TIME_FINDINGS:
-        in_paper = paper_ratio(paper, num, den, "train_time_s")
-        r = st.ratio(st.select(num, network=network), st.select(den, network=network), "train_time_s")
-        rows.append({"finding": f"{_name(den)} trains faster than {_name(num)}", "paper": f"{in_paper:.2f}",
-                     "setting": f"fp32, shared lr, {network} network", "ratio": f"{_name(num)} / {_name(den)} train time",
-                     "runs [95% CI]": r.text(), "seeds": r.seeds, "verdict": _verdict(r)})
-    return pd.DataFrame(rows)
+    time_claims = [Claim(f"{_name(den)} trains faster than {_name(num)}", st.select(num, network=network)["train_time_s"],
+                         st.select(den, network=network)["train_time_s"], paper_ratio(paper, num, den, "train_time_s"))
+                   for num, den in TIME_FINDINGS]
+    frames.append(_family(explore(time_claims), "exploratory", f"fp32, shared lr, {network} network",
+                          TIME_FINDINGS, " train time"))
+    out = pd.concat(frames, ignore_index=True)
+    out["runs [CI]"] = out.apply(interval_text, axis=1)
+    return out[["family", "claim", "setting", "comparison", "paper", "runs [CI]", "level", "direction", "size",
+                "seeds", "ratio", "lo", "hi", "p", "sd_log"]]
+
+
+def by_lr(st: Study, paper: dict) -> pd.DataFrame:
+    """What holds at which learning rate: the five perplexity claims at every lr of the grid (every
+    algorithm at that lr), each cell the ratio, its plain 95% interval and its direction."""
+    table = pd.DataFrame({"claim": [_claim_name(a, b) for a, b in PPL_FINDINGS],
+                          "paper": [paper_ratio(paper, a, b) for a, b in PPL_FINDINGS]})
+    for lr in grid_lrs(st):
+        rows = explore(ppl_claims(st, paper, lrs=dict.fromkeys(ORDER, lr)))
+        table[f"lr {lr:g}" + (" (shared)" if lr == st.lr else "")] = [
+            f"{interval_text(r)} {r['direction']}" for _, r in rows.iterrows()]
+    table["paper"] = table["paper"].map("{:.2f}".format)
+    return table
+
+
+RUN_COLUMNS = ["algorithm", "seed", "lr", "precision", "F", "R", "S", "every", "steps", "eval_loss",
+               "eval_perplexity", "train_time_s", "commit"]
+
+
+def runs_table(st: Study) -> pd.DataFrame:
+    """One row per run, the numbers every verdict is computed from (commit: the summary's, if any)."""
+    return st.df[RUN_COLUMNS + ["reduce_dtype", "network", "update_batch", "run"]].sort_values(
+        ["precision", "lr", "steps", "algorithm", "F", "every", "seed", "run"], ignore_index=True)
 
 
 def drift(st: Study) -> pd.DataFrame:
@@ -177,7 +228,8 @@ def drift(st: Study) -> pd.DataFrame:
                      "max abs train-loss difference (any step)": f"{max(diffs):.2e}" if diffs else "-",
                      "mean abs train-loss difference": f"{sum(diffs) / len(diffs):.2e}" if diffs else "-",
                      "at the last step (mean)": f"{sum(last) / len(last):.2e}" if last else "-",
-                     "eval perplexity ratio [95% CI]": r.text(4), "verdict": _label(r, "first lower", "first higher")})
+                     "eval perplexity ratio [95% CI]": r.text(4),
+                     "direction (exploratory)": _label(r, "first lower", "first higher")})
     for algo in ("fl_fsdp", "fl_hsdp"):
         b, f32 = st.select(algo, precision="bf16"), st.select(algo, precision="bf16", reduce_dtype="fp32")
         seeds = sorted(set(b.index) & set(f32.index))
@@ -188,7 +240,7 @@ def drift(st: Study) -> pd.DataFrame:
                      "max abs train-loss difference (any step)": f"{max(diffs):.2e}" if diffs else "-",
                      "mean abs train-loss difference": f"{sum(diffs) / len(diffs):.2e}" if diffs else "-",
                      "at the last step (mean)": "-", "eval perplexity ratio [95% CI]": r.text(4),
-                     "verdict": _label(r, "first lower", "first higher")})
+                     "direction (exploratory)": _label(r, "first lower", "first higher")})
     return pd.DataFrame(rows)
 
 
@@ -213,7 +265,7 @@ def batch_control(st: Study) -> pd.DataFrame:
             r = st.ratio(c, mine)
             rows.append({"FL run": f"{_name(fl)} (F = {F}, {batch} sequences per group update)", "control": label,
                          "control / FL eval perplexity [95% CI]": r.text(), "seeds": r.seeds,
-                         "verdict": _label(r, "control lower", "FL lower")})
+                         "direction (exploratory)": _label(r, "control lower", "FL lower")})
     return pd.DataFrame(rows)
 
 
@@ -235,14 +287,15 @@ def lr_table(st: Study) -> pd.DataFrame:
 
 
 def frontier(st: Study) -> tuple[pd.DataFrame, str]:
-    """Eval perplexity against training time for every A and F on the timed network (loopback
+    """Eval perplexity against training time for every A, each FL algorithm at its own F (F only
+    changes with the algorithm), on the timed network (loopback
     when no run used another). Seeds differ far more than the points do (different data order and
     initial weights), so each point's perplexity is also given relative to FSDP's in the same seed
     (paired), which is what the figure shows."""
     network = st.timed_network
     d = st.df[(st.df["network"] == network) & st.df["paper_mesh"] & (st.df["precision"] == "fp32")
               & (st.df["lr"] == st.lr) & (st.df["steps"] == st.steps)]
-    # every point on the same seeds (the ones all of them ran), so the points differ only in A and F
+    # every point on the same seeds (the ones all of them ran), so the points differ only in the algorithm and A
     common = set.intersection(*(set(g["seed"]) for _, g in d.groupby(["algorithm", "F", "every"]))) if len(d) else set()
     d = d[d["seed"].isin(common)]
     fsdp = d[d["algorithm"] == "fsdp"].drop_duplicates("seed").set_index("seed")
@@ -279,8 +332,9 @@ def frontier_figure(table: pd.DataFrame, network: str):
     ax.set_xlabel(f"training time [s] (sum of step times, {network} network)")
     ax.set_ylabel("eval perplexity / FSDP's (same seed)")
     seeds = int(table["seeds"].max()) if len(table) else 0
-    ax.set_title(f"Perplexity against time over A and F ({seeds} seed{'s' if seeds > 1 else ''} per point"
-                 + (", bars: paired 95% t-interval)" if seeds > 1 else ")"), fontsize=9)
+    ax.set_title(f"Exploratory: perplexity against time, A varied at each algorithm's F\n({seeds} seed"
+                 f"{'s' if seeds > 1 else ''} per point" + (", bars: paired 95% t-interval)" if seeds > 1 else ")"),
+                 fontsize=9)
     ax.legend()
     return fig
 
@@ -301,14 +355,23 @@ def drift_figure(st: Study):
     return fig
 
 
+def _findings_md(found: pd.DataFrame, family: str) -> str:
+    f = found[found["family"] == family].copy()
+    f["paper"] = f["paper"].map("{:.2f}".format)
+    f["level"] = f["level"].map(lambda v: f"{v:.2%}")
+    return markdown(f[["claim", "setting", "comparison", "paper", "runs [CI]", "level", "direction", "size", "seeds"]])
+
+
 def report(st: Study, paper: dict, out: Path, command: str, elapsed: float | None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     found = findings(st, paper)
+    lr_claims = by_lr(st, paper)
     dr = drift(st)
     bc = batch_control(st)
     lrt = lr_table(st)
     fr, network = frontier(st)
-    for name, df in (("findings", found), ("drift", dr), ("batch_control", bc), ("lr", lrt), ("frontier", fr)):
+    for name, df in (("findings", found), ("findings_by_lr", lr_claims), ("drift", dr), ("batch_control", bc),
+                     ("lr", lrt), ("frontier", fr), ("runs", runs_table(st))):
         df.to_csv(out / f"{name}.csv", index=False)
     figs = []
     if len(fr):
@@ -317,9 +380,11 @@ def report(st: Study, paper: dict, out: Path, command: str, elapsed: float | Non
     drift_figure(st).savefig(out / "drift.png", dpi=150)
     plt.close("all")
     seeds = st.df.groupby("algorithm")["seed"].nunique()
+    primary = found[found["family"] == "primary"]
+    few = primary["seeds"].min() < MIN_SEEDS
     paper_gap = paper_ratio(paper, "hsdp", "fsdp")
     bf16_r = st.ratio(st.select("hsdp", precision="bf16"), st.select("fsdp", precision="bf16"))
-    gap = ("untested" if bf16_r.seeds < 2 else
+    gap = (f"untested (fewer than {MIN_SEEDS} seeds)" if bf16_r.seeds < MIN_SEEDS else
            f"no: HSDP / FSDP in bf16 is {bf16_r.text(4)}, below the paper's {paper_gap:.2f}"
            if bf16_r.high < paper_gap else
            f"yes, at least: HSDP / FSDP in bf16 is {bf16_r.text(4)}, above the paper's {paper_gap:.2f}"
@@ -333,43 +398,68 @@ def report(st: Study, paper: dict, out: Path, command: str, elapsed: float | Non
     lines = [
         "# Which of the paper's claims survive controls: the tiny study", "",
         f"Generated {date.today().isoformat()} by `{command}` from {len(st.df)} runs"
-        + (f"; the study took {elapsed / 60:.1f} min" if elapsed else "") + ".",
+        + (f"; the study took {elapsed / 60:.1f} min" if elapsed else "") + ". Per-run numbers: `runs.csv`.",
         f"Base setting: tiny_llama, {st.world} ranks in the paper's mesh relations (local_4x2 / netns_4x2: "
         "FL+FSDP F = 4 > FL+HSDP F = 2 > 1, HSDP R = 4, S = 2 but FSDP), "
         f"{st.steps} steps, lr {st.lr:g} shared by all (AdamW, warm-up + cosine), A = {st.every}. "
         "Seeds per algorithm: " + ", ".join(f"{_name(a)} {seeds.get(a, 0)}" for a in ORDER) + ".", "",
-        "**Statistics.** Runs with the same seed share initial weights (fldp.init) and data order, so "
-        "configurations are compared seed by seed: the ratio is the geometric mean of the per-seed "
-        "ratios, the interval a 95% Student-t interval on the mean log ratio (n - 1 degrees of freedom). "
-        f"The tie band is {TIE_LOW:.3f}-{TIE_HIGH:.3f} (the two within 1% of the larger). A finding is "
-        "reproduced only when its interval lies entirely on the paper's side of 1 and beyond the band; an "
-        "interval entirely inside the band is a tie (equal to within 1%); one that reaches into the band "
-        "and out of it is inconclusive (neither an ordering nor an equality is shown). Best learning rates are picked on the same seeds they are then "
-        "compared on (a small optimistic bias, the same for every algorithm).", "",
-        "## The paper's findings", "", markdown(found), "",
-        "## Precision: HSDP against FSDP (the same mathematics) in fp32 and bf16", "", markdown(dr), "",
+        "**Statistics** (analysis/stats.py, one definition for every study). Runs with the same seed share "
+        "initial weights (fldp.init) and data order, so configurations are compared seed by seed: the ratio "
+        "is the geometric mean of the per-seed ratios, the interval a Student-t interval on the mean log "
+        f"ratio. The tie band is {TIE_LOW:.3f}-{TIE_HIGH:.3f} (the two within 1% of the larger). "
+        "*Direction*: reproduced when the interval lies beyond the band on the paper's side, opposite when "
+        "beyond it on the other side, tie when inside it, inconclusive when it reaches into the band and out. "
+        "*Size*: whether the paper's own ratio lies inside the interval (if not: the effect size is refuted "
+        f"at this scale). Fewer than {MIN_SEEDS} seeds give no verdict (n/a): with 2 seeds every seed agrees "
+        "1 time in 4 with no effect at all.", "",
+        "**Which comparisons are findings.** The primary family is the paper's five perplexity claims in "
+        f"the primary setting (fp32, the shared lr {st.lr:g}), judged together with Holm's step-down "
+        f"(the column `level` is the interval level each claim is judged at; {1 - LEVEL:.0%} family-wise). "
+        "Everything else (the same claims at the other learning rates, in bf16 and at each one's best lr, "
+        "the time claims, the batch controls, the precision drift and the A frontier) is **exploratory**: "
+        "its plain 95% interval and direction are shown, not corrected for the number of comparisons "
+        "(about one in twenty of them excludes 1 by chance), and none of it is a finding.", "",
+        "## The primary family: the paper's perplexity claims, fp32, shared lr", "",
+        (f"Fewer than {MIN_SEEDS} seeds: no verdicts (a reduced run, not the study)." if few else
+         "Holm's step-down over these five claims."), "", _findings_md(found, "primary"), "",
+        "## What holds at which learning rate (exploratory)", "",
+        "The five claims with every algorithm at the same lr, fp32, each cell the ratio [plain 95% interval] "
+        "and its direction (the shared lr's column is the primary runs at the plain 95% level; their "
+        "verdicts are the table above).", "", markdown(lr_claims), "",
+        "## Exploratory comparisons", "", _findings_md(found, "exploratory"), "",
+        "## Precision: HSDP against FSDP (the same mathematics) in fp32 and bf16 (exploratory)", "", markdown(dr), "",
         "FedAvg's accumulation dtype (`algorithm.outer.reduce_dtype`): with F = 2 summing in bf16 and in "
         "fp32 are the same arithmetic (halving is exact in binary floating point, so rounding the sum "
         "or the mean rounds alike); from F = 4 on they can differ.", "",
-        f"Does bf16 reduction order produce a gap of the paper's size (HSDP / FSDP {paper_gap:.2f}) at this "
+        f"Could bf16 reduction order produce a gap of the paper's size (HSDP / FSDP {paper_gap:.2f}) at this "
         f"scale? {gap}.", "", "![HSDP - FSDP train loss per step](drift.png)", "",
-        "## Batch-matched control", "",
+        "## Batch-matched control (exploratory)", "",
         "Each FL group steps on 1/F of the pool's batch. The controls train FSDP or HSDP on exactly one "
         "group's per-update batch (a smaller mesh: the same mathematics as one group that never "
         "averages) at the shared learning rate, for the same number of steps and for F times as many "
         "(the federation's tokens). A ratio above 1 means the FL run reached the lower perplexity.", "",
         markdown(bc) if len(bc) else "No control runs.", "",
         "## Learning rate", "",
-        f"Eval perplexity, geometric mean [95% t-interval on the mean log] over seeds, fp32, {st.steps} steps; the findings above are "
-        "also computed at each algorithm's best lr.", "", markdown(lrt), "",
-        "## Perplexity against time: A and F", "",
-        f"FL runs at every A with both F of the paper-shaped mesh, fp32, shared lr, on the `{network}` "
-        f"network, on the seeds every point ran ({int(fr['seeds'].min()) if len(fr) else 0} each); mean eval "
-        "perplexity, and relative to FSDP's in the same seed (paired: the seeds differ far more than the "
-        "points)" + (" (no emulated network was used: times are loopback's, CPU contention and not "
-        "the paper's link)" if network == "loopback" else "") + "; FSDP and HSDP for reference.", "",
+        f"Eval perplexity, geometric mean [95% t-interval on the mean log] over seeds, fp32, {st.steps} steps.",
+        "", markdown(lrt), "",
+        "## Perplexity against time: A at each algorithm's F (exploratory)", "",
+        f"FL runs at every A, each FL algorithm at its own F (FL+FSDP 4, FL+HSDP 2: F changes only with the "
+        f"algorithm, so this varies A, not F), fp32, shared lr, on the `{network}` network, on the seeds "
+        f"every point ran ({int(fr['seeds'].min()) if len(fr) else 0} each); mean eval perplexity, and "
+        "relative to FSDP's in the same seed (paired: the seeds differ far more than the points)"
+        + (" (no emulated network was used: times are loopback's, CPU contention and not the paper's link)"
+           if network == "loopback" else "") + "; FSDP and HSDP for reference. With this few seeds the "
+        "intervals are wide: the table describes the points and claims no ordering between them.", "",
         markdown(fr_md) if len(fr_md) else "No runs.", "",
         "![eval perplexity against training time](frontier.png)" if "frontier" in figs else "", "",
+        "## Limitations", "",
+        "- Each algorithm's best learning rate is picked on the same seeds it is then compared on, which "
+        "biases those comparisons toward whichever algorithm's seeds happened to favour one lr; they are "
+        "exploratory for this reason too (the paper_shape study tunes on separate seeds).",
+        "- The primary verdicts are for the shared lr; the same claims at the grid's other lrs (the table by "
+        "lr) are exploratory, and a ratio's side of 1 can change with the lr.",
+        f"- tiny_llama, {st.steps} steps, {st.world} ranks: a refuted effect size is refuted at this scale, "
+        "not at the paper's.", "",
     ]
     if st.notes:
         lines += ["Notes:", ""] + [f"- {n}" for n in dict.fromkeys(st.notes)] + [""]

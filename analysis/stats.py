@@ -6,11 +6,12 @@ the mean of the d_i (n - 1 degrees of freedom), mapped back to a ratio a / b = e
 whose interval lies inside the tie band (within TIE of 1) is a tie: the two are equal to within TIE
 (a 1e-6 difference of float summation order, however consistent across seeds, is not a finding). An
 interval that reaches the band but also leaves it is inconclusive: it shows neither an ordering nor
-an equality. One seed gives no interval.
+an equality. One seed gives no interval, and fewer than MIN_SEEDS give no verdict.
 
 Claims are judged by `judge` (one definition for every study): the primary claims of a study form
 one family, corrected by Holm's step-down; each gets a direction (reproduced, opposite, tie,
-inconclusive) and a size (whether the paper's own value lies inside the interval)."""
+inconclusive, or TOO_FEW seeds) and a size (whether the paper's own value lies inside the interval).
+`explore` gives the same columns at the plain level, for comparisons that are not findings."""
 from __future__ import annotations
 
 import math
@@ -22,6 +23,10 @@ from scipy.stats import t as student_t
 LEVEL = 0.95
 TIE = 0.01  # values within 1% of the larger are a tie (analysis/claims.py uses this margin)
 TIE_LOW, TIE_HIGH = 1 - TIE, 1 / (1 - TIE)  # the tie band of a ratio a / b
+# Fewest seeds for any verdict: with 2, t(1) = 12.7 makes the interval nearly useless, and "every
+# seed agrees" happens 1 time in 4 with no effect at all.
+MIN_SEEDS = 3
+TOO_FEW = "n/a (too few seeds)"
 
 
 def t_quantile(p: float, df: int) -> float:
@@ -44,8 +49,9 @@ class Ratio:
     @property
     def verdict(self) -> str:
         """'>' (a above b: the whole interval above the tie band), '<' (below it), 'tie' (the whole
-        interval inside it), 'inconclusive' (reaching into the band and out of it) or 'n/a' (one seed)."""
-        if self.seeds < 2:
+        interval inside it), 'inconclusive' (reaching into the band and out of it) or 'n/a' (fewer
+        than MIN_SEEDS seeds)."""
+        if self.seeds < MIN_SEEDS:
             return "n/a"
         if self.high < TIE_LOW:
             return "<"
@@ -103,16 +109,18 @@ class Claim:
 
 def direction(r: Ratio, paper: float) -> str:
     """reproduced (the interval beyond the tie band on the paper's side), opposite (beyond it on the
-    other side), tie (inside it), inconclusive (reaching into it and out), n/a (one seed)."""
+    other side), tie (inside it), inconclusive (reaching into it and out), TOO_FEW (fewer than
+    MIN_SEEDS seeds)."""
     v = r.verdict
     if v in (">", "<"):
         return "reproduced" if v == (">" if paper > 1 else "<") else "opposite"
-    return v
+    return TOO_FEW if v == "n/a" else v
 
 
 def size(r: Ratio, paper: float) -> str:
-    """Whether the paper's value lies inside the interval."""
-    if r.seeds < 2:
+    """Whether the paper's value lies inside the interval (n/a below MIN_SEEDS seeds or without a
+    paper value)."""
+    if r.seeds < MIN_SEEDS or math.isnan(paper):
         return "n/a"
     return "paper's value inside" if r.low <= paper <= r.high else "effect size refuted at this scale"
 
@@ -132,18 +140,28 @@ def holm_levels(p_values: list[float], alpha: float = 1 - LEVEL) -> list[float]:
     return levels
 
 
-def judge(claims: list[Claim], alpha: float = 1 - LEVEL) -> pd.DataFrame:
-    """Each claim's ratio, its interval at the Holm level, the paper's value, the direction and the
-    size verdicts, and the seeds: one row per claim, in the given order."""
-    plain = [paired_ratio(c.a, c.b) for c in claims]
-    levels = holm_levels([r.p for r in plain], alpha)
+def _rows(claims: list[Claim], levels: list[float]) -> pd.DataFrame:
     rows = []
     for c, level in zip(claims, levels):
         r = paired_ratio(c.a, c.b, level)
         rows.append({"claim": c.name, "ratio": r.ratio, "lo": r.low, "hi": r.high, "level": level,
                      "paper": c.paper, "direction": direction(r, c.paper), "size": size(r, c.paper),
                      "seeds": r.seeds, "p": r.p, "sd_log": r.sd})
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows, columns=["claim", "ratio", "lo", "hi", "level", "paper", "direction", "size",
+                                       "seeds", "p", "sd_log"])
+
+
+def judge(claims: list[Claim], alpha: float = 1 - LEVEL) -> pd.DataFrame:
+    """Each claim's ratio, its interval at the Holm level, the paper's value, the direction and the
+    size verdicts, and the seeds: one row per claim, in the given order."""
+    plain = [paired_ratio(c.a, c.b) for c in claims]
+    return _rows(claims, holm_levels([r.p for r in plain], alpha))
+
+
+def explore(claims: list[Claim]) -> pd.DataFrame:
+    """judge's columns at the plain LEVEL, with no correction for the number of comparisons: for
+    exploratory comparisons, whose direction is shown but is not a finding."""
+    return _rows(claims, [LEVEL] * len(claims))
 
 
 def seeds_for(sd_log: float, half_width: float, level: float = LEVEL) -> int:

@@ -2,6 +2,7 @@
 W&B run): every table cell against the records, seed aggregation, the figure files and lines, the
 LaTeX, the ratios and findings, broken runs named and skipped, and the W&B readers."""
 import json
+import math
 import shutil
 import statistics
 import subprocess
@@ -12,10 +13,11 @@ import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
-from analysis import paper, render, tables
+from analysis import claims, paper, render, tables
 from analysis.discover import collect
 from analysis.records import RecordError, load_run_dir
 from analysis.report import build, main
+from analysis.stats import TOO_FEW
 from analysis.wandb_records import read_offline, read_project
 from conftest import ROOT, compose_cfg, read_rows, train_world
 from fldp.records import PHASES
@@ -191,26 +193,53 @@ def test_ratios_and_findings_follow_the_numbers(sweep, report):
             num = [{metric: sum(x["time_step"] for x in read_rows(sweep / f"{r['numerator']}_seed{s}"))} for s in SEEDS]
             den = [{metric: sum(x["time_step"] for x in read_rows(sweep / f"{r['denominator']}_seed{s}"))} for s in SEEDS]
         per_seed = [a[metric] / b[metric] for a, b in zip(num, den)]
+        logs = [math.log(x) for x in per_seed]  # paired: geometric mean, t interval on the mean log (df 1)
+        half = 12.7062047 * statistics.stdev(logs) / math.sqrt(len(logs))
         row = ratios.loc[r["name"]]
-        assert row["runs_mean"] == pytest.approx(statistics.mean(per_seed))
-        assert row["runs_std"] == pytest.approx(statistics.stdev(per_seed))
+        assert row["runs_ratio"] == pytest.approx(math.exp(statistics.mean(logs)))
+        assert row["runs_high"] == pytest.approx(math.exp(statistics.mean(logs) + half), rel=1e-4)
         assert row["paper_quoted"] == r["quoted"] and row["seeds"] == len(SEEDS)
     assert ratios.loc["FSDP / FL+FSDP train time", "paper_table3"] == pytest.approx(770.54 / 95.87)
+    assert "same_side_of_1" not in ratios.columns  # no side read off a mean
 
     found = pd.read_csv(report.out / "findings.csv", keep_default_na=False)
-    assert found["paper"].str.startswith("yes").all(), "a finding's definition does not match the paper"
-    # a pairwise finding's verdict, recomputed from the summaries: on the mean and in each seed
-    ppl = {a: [summary(sweep / f"{a}_seed{s}")["eval_perplexity"] for s in SEEDS] for a in ALGOS}
-    holds = [x < y for x, y in zip(ppl["fl_hsdp"], ppl["hsdp"])]
-    on_mean = statistics.mean(ppl["fl_hsdp"]) < statistics.mean(ppl["hsdp"])
-    expected = ("reproduced" if on_mean and all(holds) else "not reproduced" if not (on_mean or any(holds))
-                else "mixed")
-    row = found.set_index("finding").loc["FL+HSDP reaches a lower eval perplexity than HSDP (paper: 4.48x)"]
-    assert row["verdict"].startswith(expected) and row["seeds holding"] == f"{sum(holds)}/{len(SEEDS)}"
+    stat = found[found["family"] != "records check"]
+    assert (stat["paper"].astype(float) > 1).all(), "a finding's definition does not match the paper"
+    assert list(stat.loc[stat["family"] == "primary", "comparison"]) == [
+        "HSDP / FL+HSDP", "FSDP / FL+HSDP", "FSDP / FL+FSDP", "FL+FSDP / FL+HSDP", "HSDP / FSDP"]
+    # 2 seeds: no direction or size verdict, however the two seeds fall
+    assert (stat["direction"] == TOO_FEW).all() and (stat["size"] == "n/a").all()
     agg = found.set_index("finding").iloc[-1]
-    assert agg["verdict"] == "reproduced", agg["runs"]
+    assert agg["direction"] == "holds in every run", agg["runs"]
     text = (report.out / "report.md").read_text()
     assert "## Findings of the paper: reproduced or not" in text and "identical in every run" in text
+    assert "every seed" not in text and "same side of 1" not in text.lower()
+
+
+def _values(ppl: dict, seeds) -> pd.DataFrame:
+    """claims' long frame: every metric equal across algorithms but the eval perplexity."""
+    return pd.DataFrame([{"algorithm": a, "seed": s, "eval_perplexity": v[i], "train_time_s": 1.0,
+                          "step_time_s": 1.0, "eval_time_s": 1.0} for a, v in ppl.items() for i, s in enumerate(seeds)])
+
+
+def test_findings_are_paired_intervals_not_means_or_unanimous_seeds():
+    p = paper.load()
+    base = {"fsdp": [500.0, 400.0, 600.0], "hsdp": [500.0, 400.0, 600.0], "fl_hsdp": [300.0, 240.0, 360.0]}
+    # 2 seeds, both far on the paper's side (FL+FSDP 0.8x FSDP): once "reproduced", now no verdict
+    two = claims.findings(p, _values({**base, "fl_fsdp": [400.0, 320.0, 480.0]}, [0, 1, 2]).query("seed < 2"), [])
+    row = two.set_index("finding").loc["FL+FSDP reaches a lower eval perplexity than FSDP"]
+    assert row["direction"] == TOO_FEW and row["seeds"] == 2
+    # 3 seeds whose mean ratio is above 1 but whose interval holds 1: no side, inconclusive
+    three = claims.findings(p, _values({**base, "fl_fsdp": [400.0, 440.0, 630.0]}, [0, 1, 2]), [])
+    row = three.set_index("finding").loc["FL+FSDP reaches a lower eval perplexity than FSDP"]
+    assert row["ratio"] > 1 and row["lo"] < 1 < row["hi"] and row["direction"] == "inconclusive"
+    # the primary family is Holm-corrected; FL+HSDP 0.6x in every seed is reproduced, its size refuted
+    primary = three[three["family"] == "primary"].set_index("finding")
+    assert (primary["level"] > 0.95).all()
+    assert primary.loc["FL+HSDP reaches a lower eval perplexity than HSDP", "direction"] == "reproduced"
+    assert primary.loc["FL+HSDP reaches a lower eval perplexity than HSDP", "size"] == \
+        "effect size refuted at this scale"
+    assert (three.loc[three["family"] == "exploratory", "level"] == 0.95).all()
 
 
 def test_broken_runs_are_named_and_skipped(sweep, tmp_path, capsys):
@@ -347,5 +376,5 @@ def test_periodic_aggregation_reads_a_schedule():
                               "time_aggregation": [0.5 if s in aggregated else 0.0 for s in range(1, 7)]})
         return Run("scheduled", {"every": [[0, 2], [3, 3]]}, steps)
 
-    assert periodic_aggregation([run({2, 5, 6})])[0] == "reproduced"
-    assert periodic_aggregation([run({2, 6})])[0] == "not reproduced"  # counted from the phase's start
+    assert periodic_aggregation([run({2, 5, 6})])[0] == "holds in every run"
+    assert periodic_aggregation([run({2, 6})])[0] == "fails"  # counted from the phase's start

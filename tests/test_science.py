@@ -9,8 +9,9 @@ import pytest
 
 from analysis import paper
 from analysis.records import make_run
-from analysis.science import Study, batch_control, best_lrs, drift, findings, frontier, report
-from analysis.stats import mean_interval, paired_ratio, t_quantile
+from analysis.science import RUN_COLUMNS, Study, batch_control, best_lrs, by_lr, drift, findings, frontier, report
+from analysis.stats import (TOO_FEW, Claim, direction, explore, holm_levels, judge, mean_interval, paired_ratio,
+                            size, t_quantile)
 from conftest import compose_cfg
 from fldp.records import ANALYSED_FIELDS
 
@@ -57,6 +58,10 @@ def test_paired_ratio_from_the_definition():
     assert r.verdict == "inconclusive"  # 0.08 +- 0.12: the interval holds 1 and reaches far beyond the band
     assert paired_ratio(b * 2, b).verdict == ">" and paired_ratio(b, b * 2).verdict == "<"
     assert paired_ratio(b.iloc[:1], b.iloc[:1]).verdict == "n/a"
+    # two seeds that agree (ratio 2 and 3) are no verdict: that happens 1 time in 4 with no effect
+    two = paired_ratio(b.iloc[:2] * [2, 3], b.iloc[:2])
+    assert two.verdict == "n/a" and direction(two, 2.0) == TOO_FEW and size(two, 2.0) == "n/a"
+    assert paired_ratio(b.iloc[:3] * [2, 3, 2.5], b.iloc[:3]).verdict == ">"
     # consistent but tiny (0.1-0.2%): inside the 1% tie band, not a finding
     tiny = paired_ratio(b * [1.001, 1.002, 1.0015, 1.001, 1.002], b)
     assert tiny.low > 1 and tiny.verdict == "tie"
@@ -100,30 +105,57 @@ def synthetic():
     return runs
 
 
+def test_holm_and_the_plain_level():
+    """A claim whose plain 95% interval excludes the band, but whose Holm-corrected one does not,
+    is reproduced when explored and inconclusive when judged in its family."""
+    b = pd.Series([100.0, 200.0, 300.0, 400.0, 500.0])
+    strong = Claim("strong", b * 2, b, 2.0)
+    marginal = Claim("marginal", b * [1.08, 1.02, 1.10, 1.03, 1.06], b, 1.5)  # p 0.017
+    alone = explore([marginal]).iloc[0]
+    assert alone["level"] == 0.95 and alone["direction"] == "reproduced"
+    # 4 claims: marginal ranks 2nd of 4, judged at alpha / 3: its interval then reaches into the band
+    family = judge([strong, marginal, Claim("null1", b * [1.1, 0.9, 1.0, 1.05, 0.95], b, 2.0),
+                    Claim("null2", b * [0.9, 1.1, 1.0, 0.95, 1.05], b, 2.0)]).set_index("claim")
+    assert family.loc["marginal", "level"] == pytest.approx(1 - 0.05 / 3)
+    assert family.loc["marginal", "direction"] == "inconclusive"
+    assert family.loc["strong", "direction"] == "reproduced" and family.loc["strong", "size"] == "paper's value inside"
+    assert family.loc["marginal", "size"] == "effect size refuted at this scale"  # 1.5 is far outside
+    # step-down: each rejection relaxes the next threshold; the first failure ends it (alpha / m after)
+    assert holm_levels([0.001, 0.02, 0.5]) == pytest.approx([1 - 0.05 / 3, 1 - 0.05 / 2, 0.95])
+    assert holm_levels([0.001, 0.03, 0.04]) == pytest.approx([1 - 0.05 / 3, 1 - 0.05 / 2, 1 - 0.05 / 3])
+
+
 def test_verdicts_on_synthetic_records():
     st = Study(synthetic())
     assert (st.lr, st.steps, st.every, st.world) == (1e-2, 8, 8, 8)
-    f = findings(st, paper.load()).set_index(["finding", "setting"])
-    v = f["verdict"]
-    assert v["FL+HSDP reaches a lower eval perplexity than HSDP", "fp32, shared lr"] == "reproduced"
-    # FL+FSDP / FSDP: 1 +- 2% by seed, an interval from 0.97 to 1.02 ...
-    assert v["FL+FSDP reaches a lower eval perplexity than FSDP", "fp32, shared lr"] == \
-        "not reproduced: inconclusive (interval spans the tie band)"
+    found = findings(st, paper.load())
+    primary = found[found["family"] == "primary"].set_index("claim")
+    # the primary family: the five perplexity claims at the shared lr, fp32, Holm-corrected together
+    assert len(primary) == 5 and set(primary["setting"]) == {"fp32, shared lr 0.01"}
+    assert list(primary["level"]) == pytest.approx(holm_levels(list(primary["p"])))
+    assert (primary["level"] > 0.95).all() and (found.loc[found["family"] == "exploratory", "level"] == 0.95).all()
+    d = primary["direction"]
+    assert d["FL+HSDP reaches a lower eval perplexity than HSDP"] == "reproduced"
+    assert primary.loc["FL+HSDP reaches a lower eval perplexity than HSDP", "size"] == \
+        "effect size refuted at this scale"
+    # FL+FSDP / FSDP: 1 +- 2% by seed, an interval from 0.96 to 1.03 ...
+    assert d["FL+FSDP reaches a lower eval perplexity than FSDP"] == "inconclusive"
     # ... HSDP = FSDP exactly: [1, 1]
-    assert v["HSDP ends with a higher eval perplexity than FSDP", "fp32, shared lr"] == \
-        "not reproduced: tie (interval within 0.990-1.010)"
-    assert v["HSDP ends with a higher eval perplexity than FSDP", "bf16, shared lr"] == "reproduced"
-    # at each one's best lr FL+FSDP (best 3e-3: 0.8x) now beats FSDP (best 1e-2)
+    assert d["HSDP ends with a higher eval perplexity than FSDP"] == "tie"
+    v = found[found["family"] == "exploratory"].set_index(["claim", "setting"])["direction"]
+    assert v["HSDP ends with a higher eval perplexity than FSDP", "bf16, shared lr 0.01"] == "reproduced"
+    # at each one's best lr FL+FSDP (best 3e-3: 0.8x) now beats FSDP (best 1e-2): exploratory only
     assert best_lrs(st) == {"fsdp": 1e-2, "hsdp": 1e-2, "fl_fsdp": 3e-3, "fl_hsdp": 1e-2}
-    assert v["FL+FSDP reaches a lower eval perplexity than FSDP", "fp32, each one's best lr"] == "reproduced"
-    timing = f[f.index.get_level_values(1).str.contains("netns")]
-    assert list(timing["verdict"]) == ["reproduced", "reproduced", "not reproduced: tie (interval within 0.990-1.010)"]
-    assert timing["runs [95% CI]"].iloc[0].startswith("4.000")
+    assert v["FL+FSDP reaches a lower eval perplexity than FSDP", "fp32, each one's best lr (picked on these seeds)"] \
+        == "reproduced"
+    timing = found[found["setting"].str.contains("netns")]
+    assert list(timing["direction"]) == ["reproduced", "reproduced", "tie"]
+    assert set(timing["family"]) == {"exploratory"} and timing["runs [CI]"].iloc[0].startswith("4.000")
     d = drift(st).set_index("comparison")
     assert d.loc["HSDP vs FSDP, fp32", "max abs train-loss difference (any step)"] == "0.00e+00"
     assert d.loc["HSDP vs FSDP, bf16", "at the last step (mean)"] == "5.00e-02"
     b = batch_control(st)
-    fl_fsdp = b[b["FL run"].str.startswith("FL+FSDP")].set_index("control")["verdict"]
+    fl_fsdp = b[b["FL run"].str.startswith("FL+FSDP")].set_index("control")["direction (exploratory)"]
     assert list(fl_fsdp) == ["inconclusive (interval spans the tie band)", "control lower", "control lower"]
     fr, network = frontier(st)
     assert network == "netns"
@@ -133,11 +165,47 @@ def test_verdicts_on_synthetic_records():
     assert fr.set_index(["algorithm", "A"]).loc[("FL+FSDP", 1), "/ FSDP"] == pytest.approx(0.9)
 
 
+def test_every_lr_of_the_grid_is_paired():
+    """The five claims at each lr (every algorithm at it): FL+FSDP / FSDP is inconclusive at the
+    shared 1e-2 and reproduced at 3e-3 (0.8 x 500 against 1.2 x 500)."""
+    st = Study(synthetic())
+    table = by_lr(st, paper.load()).set_index("claim")
+    assert list(table.columns) == ["paper", "lr 0.003", "lr 0.01 (shared)"]
+    row = table.loc["FL+FSDP reaches a lower eval perplexity than FSDP"]
+    assert row["lr 0.01 (shared)"].endswith("inconclusive") and row["lr 0.003"].endswith("reproduced")
+    assert row["lr 0.003"].startswith("1.494")  # 1.2 / 0.8 x (1 + 2%) by seed: the geometric mean
+    found = findings(st, paper.load())
+    assert "fp32, lr 0.003 (all)" in set(found.loc[found["family"] == "exploratory", "setting"])
+
+
+def test_too_few_seeds_give_no_verdict(tmp_path):
+    """With 2 seeds (the reduced CI study) every direction is n/a, even where both seeds agree by far
+    (FL+HSDP 300 against HSDP 500), and the report says so instead of failing."""
+    st = Study([r for r in synthetic() if r.seed < 2])
+    found = findings(st, paper.load())
+    assert (found["direction"] == TOO_FEW).all() and (found["size"] == "n/a").all()
+    primary = found[found["family"] == "primary"].set_index("claim")
+    assert primary.loc["FL+HSDP reaches a lower eval perplexity than HSDP", "ratio"] == pytest.approx(500 / 300)
+    text = report(st, paper.load(), tmp_path, "test", None).read_text()
+    primary_md = text.split("## The primary family")[1].split("## What holds")[0]
+    assert "Fewer than 3 seeds: no verdicts" in primary_md and primary_md.count(TOO_FEW) == 5
+    assert "reproduced" not in primary_md
+
+
 def test_report_writes_every_part(tmp_path):
     path = report(Study(synthetic()), paper.load(), tmp_path, "test", 60.0)
     text = path.read_text()
-    for heading in ("## The paper's findings", "## Precision", "## Batch-matched control", "## Learning rate",
-                    "## Perplexity against time"):
+    for heading in ("## The primary family", "## What holds at which learning rate (exploratory)",
+                    "## Exploratory comparisons", "## Precision", "## Batch-matched control", "## Learning rate",
+                    "## Perplexity against time: A at each algorithm's F (exploratory)", "## Limitations"):
         assert heading in text
+    assert "picked on the same seeds" in text
     assert (tmp_path / "frontier.png").stat().st_size > 0 and (tmp_path / "drift.png").exists()
     assert "1.0 min" in text
+    # per-run numbers: one row per run, the columns the verdicts are computed from
+    runs = pd.read_csv(tmp_path / "runs.csv", keep_default_na=False)
+    assert len(runs) == len(synthetic()) and list(runs.columns[:len(RUN_COLUMNS)]) == RUN_COLUMNS
+    assert list(runs["eval_loss"].astype(float).map(math.exp)) == pytest.approx(list(runs["eval_perplexity"].astype(float)))
+    # the frontier varies A at each algorithm's F and judges nothing
+    frontier_md = text.split("## Perplexity against time")[1].split("## Limitations")[0]
+    assert not any(w in frontier_md for w in ("reproduced", "opposite", "verdict", "trades"))
