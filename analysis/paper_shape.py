@@ -28,6 +28,7 @@ import pandas as pd  # noqa: E402
 from . import paper as paper_values  # noqa: E402
 from .discover import collect_for  # noqa: E402
 from .render import markdown  # noqa: E402
+from .science import paper_ratio  # noqa: E402
 from .stats import LEVEL, Claim, judge, paired_ratio, seeds_for  # noqa: E402
 from .tables import NAMES  # noqa: E402
 
@@ -106,12 +107,6 @@ def arm(df: pd.DataFrame, algorithm: str, lr: float, phase: str) -> pd.Series:
 def claims(df: pd.DataFrame, lrs: dict, phase: str, paper: dict) -> list[Claim]:
     return [Claim(name, arm(df, num, lrs[num if num != "hsdp" else "fsdp"], phase),
                   arm(df, den, lrs[den], phase), paper_ratio(paper, num, den)) for name, num, den in CLAIMS]
-
-
-def paper_ratio(paper: dict, num: str, den: str) -> float:
-    t3 = paper["table3"]
-    col = t3["columns"].index("eval_perplexity")
-    return t3["rows"][num][col] / t3["rows"][den][col]
 
 
 def pilot(df: pd.DataFrame, lrs: dict, paper: dict) -> pd.DataFrame:
