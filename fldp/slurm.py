@@ -231,8 +231,16 @@ def submit_job(cfg, run_dir: str, shape: MeshShape, fn=run_rank):
     return job
 
 
-# submitit's states of a job that has not ended
-_NOT_ENDED = ("READY", "PENDING", "RUNNING", "UNKNOWN", "REQUEUED", "COMPLETING", "PREEMPTED", "SUSPENDED")
+# SLURM's states of a job that has ended (squeue(1) "JOB STATE CODES"); every other state, e.g.
+# SIGNALING or REQUEUE_HOLD while a job requeues itself, means it may still run. Listing the
+# ended ones, not the running ones, keeps a state we did not foresee from ending the wait early.
+_ENDED = ("BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY",
+          "REVOKED", "TIMEOUT", "ENDED")
+
+
+def ended(state: str) -> bool:
+    """Whether a job in this state has ended for good (sacct writes e.g. "CANCELLED by 0")."""
+    return (state.split() or [""])[0] in _ENDED
 
 
 def follow(job, run_dir: str, poll_s: float, timeout_s: float | None = None) -> dict:
@@ -246,8 +254,9 @@ def follow(job, run_dir: str, poll_s: float, timeout_s: float | None = None) -> 
         if now != state:
             state = now
             log.info("job %s: %s%s", job.job_id, state, waiting_reason(job.job_id) if state == "PENDING" else "")
-        # a task killed by srun before it wrote its result is known ended only from SLURM's state
-        if state not in _NOT_ENDED or job.done():
+        # only SLURM's state: a task killed by srun before it wrote its result has no other trace,
+        # and submitit's job.done() takes a requeueing job (SIGNALING) for a finished one
+        if ended(state):
             return outcome(job, run_dir)
         if deadline is not None and time.monotonic() > deadline:
             raise WorkerError(f"SLURM job {job.job_id} still {state} after {timeout_s:g} s"
@@ -256,15 +265,18 @@ def follow(job, run_dir: str, poll_s: float, timeout_s: float | None = None) -> 
 
 
 def job_state(job) -> str:
-    """The job's SLURM state: sacct's, through submitit; where sacct has no answer (a site
-    without accounting), squeue's, and ENDED once squeue has forgotten the job."""
-    state = job.watcher.get_state(job.job_id, mode="force")
-    if state != "UNKNOWN" or (r := _squeue(job.job_id, "%T")) is None:
-        return state
+    """The job's SLURM state: sacct's; where sacct has no answer (a site without accounting),
+    squeue's, and ENDED once squeue has forgotten the job. Asked of SLURM on every call: submitit's
+    watcher stops asking about a job once it thinks it done, which a requeue proves wrong."""
+    sacct = _slurm_query(["sacct", "-n", "-X", "-P", "-j", str(job.job_id), "-o", "State"])
+    if sacct is not None and sacct.returncode == 0 and (lines := sacct.stdout.split("\n")[0].strip()):
+        return lines
+    if (r := _squeue(job.job_id, "%T")) is None:
+        return "UNKNOWN"
     states = sorted(set(r.stdout.split()))
     if r.returncode == 0 and states:  # one line per array task; any not ended keeps the job going
-        return next((s for s in states if s in _NOT_ENDED), states[0])
-    return "ENDED" if "Invalid job id" in r.stderr else state
+        return next((s for s in states if not ended(s)), states[0])
+    return "ENDED" if "Invalid job id" in r.stderr else "UNKNOWN"
 
 
 def waiting_reason(job_id: str) -> str:
@@ -275,9 +287,13 @@ def waiting_reason(job_id: str) -> str:
 
 def _squeue(job_id: str, field: str) -> subprocess.CompletedProcess | None:
     """`squeue` on one job (finished ones included) for one field; None if squeue cannot be run."""
+    return _slurm_query(["squeue", "-h", "-t", "all", "-j", str(job_id), "-o", field])
+
+
+def _slurm_query(command: list[str]) -> subprocess.CompletedProcess | None:
+    """A SLURM client command's result; None if it cannot be run."""
     try:
-        return subprocess.run(["squeue", "-h", "-t", "all", "-j", str(job_id), "-o", field],
-                              capture_output=True, text=True, timeout=30)
+        return subprocess.run(command, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
 

@@ -110,6 +110,32 @@ def idle_cluster(tmp_path):
 
 
 # --- no SLURM needed --------------------------------------------------------------------------
+def test_a_job_that_requeues_itself_is_followed_until_it_ends(monkeypatch, tmp_path):
+    """Between its time-limit signal and its restart a job passes through SIGNALING, REQUEUED,
+    REQUEUE_HOLD and PENDING (what squeue printed in CI when a job requeued itself): follow() waits
+    through them all and asks for the outcome only at COMPLETED. Also sacct's "CANCELLED by 0" ends."""
+    states = iter(["RUNNING", "SIGNALING", "REQUEUED", "REQUEUE_HOLD", "PENDING", "CONFIGURING",
+                   "RUNNING", "COMPLETING", "COMPLETED"])
+    asked = []
+
+    def run(command, **kwargs):
+        if command[0] == "sacct":  # a site without accounting: squeue answers
+            return subprocess.CompletedProcess(command, 1, "", "Slurm accounting storage is disabled")
+        asked.append(state := next(states))
+        return subprocess.CompletedProcess(command, 0, state + "\n", "")
+
+    class Job:  # what follow() may use of a submitit Job, in the state submitit's watcher would give
+        job_id = "13"
+        paths = type("Paths", (), {"folder": tmp_path})
+        watcher = type("Watcher", (), {"get_state": lambda self, job_id, mode: "UNKNOWN"})()
+        done = staticmethod(lambda: False)
+
+    monkeypatch.setattr(slurm.subprocess, "run", run)
+    monkeypatch.setattr(slurm, "outcome", lambda job, run_dir: {"outcome at": asked[-1]})
+    assert slurm.follow(Job(), str(tmp_path), poll_s=0) == {"outcome at": "COMPLETED"}
+    assert slurm.ended("CANCELLED by 0") and slurm.ended("TIMEOUT") and not slurm.ended("SIGNALING")
+
+
 
 def test_topology_leonardo_512_brings_cluster_leonardo():
     assert compose_cfg("topology=leonardo_512").cluster.name == "leonardo"
