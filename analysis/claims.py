@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from fldp.aggregation import aggregation_steps, schedule_of
+from fldp.schedule import aggregation_steps, schedule_of
 
 from .records import Run
 from .render import HEADERS3
@@ -145,7 +145,7 @@ def periodic_aggregation(runs: list[Run]) -> tuple[str, str]:
     """FL's aggregation runs (and costs time) only every A steps and at the last step; the other
     algorithms never aggregate. The paper's evidence is Table 4's aggregation column (0 for FSDP
     and HSDP, std > mean for FL: rare spikes); here every step's record is checked, against the
-    steps the run's A or schedule names (fldp.aggregation.aggregation_steps, the trainer's rule)."""
+    steps the run's A or schedule names (fldp.schedule.aggregation_steps, the trainer's rule)."""
     bad, fl = [], 0
     for run in runs:
         s, every = run.steps, run.summary.get("every")

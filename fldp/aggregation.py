@@ -27,7 +27,6 @@ from __future__ import annotations
 import bisect
 import collections
 import contextlib
-import functools
 import hashlib
 import re
 from dataclasses import dataclass, field
@@ -37,9 +36,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .mesh import ConfigError, MeshShape
+from .schedule import aggregation_steps, schedule_of
+from .schema import check_values
 
-MODES = ("leader_broadcast", "all_replicas")
-OUTER = ("sgd", "adam")
 # What algorithm.outer's null lr / eps mean, per optimiser. sgd: lr 1 (with momentum 0: FedAvg).
 # adam: FedAdam's server lr and tau (= eps) of Reddi et al. 2021, 1e-3 each, with torch's bias
 # correction (their Algorithm 2 has none): the first step is about lr * sign(delta), so the shared
@@ -64,8 +63,6 @@ class OuterConfig:
     reduce_dtype: str | None = None   # None: the parameters' dtype (the authors' bf16 all-reduce)
 
     def __post_init__(self):
-        from .schema import check_values  # the schema imports this module's names
-
         check_values({f"algorithm.outer.{k}": getattr(self, k) for k in self.__dataclass_fields__})
         for key, value in OUTER_DEFAULTS[self.name].items():
             if getattr(self, key) is None:
@@ -78,45 +75,6 @@ class OuterConfig:
     def averages(self) -> bool:
         """Plain FedAvg: the new model is the groups' average itself."""
         return self.name == "sgd" and self.lr == 1 and self.momentum == 0
-
-
-def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def schedule_of(every) -> tuple[tuple[int, int], ...]:
-    """algorithm.every as ((first step after which it holds, A), ...): an integer A is ((0, A),);
-    a schedule [[0, 1], [16, 8]] is A = 1 for steps 1..16, then A = 8 (when, see aggregation_steps)."""
-    pairs = [[0, every]] if _number(every) and not isinstance(every, float) else every
-    try:
-        phases = tuple((int(start), int(period)) for start, period in pairs)
-        valid = (all(isinstance(x, int) and not isinstance(x, bool) for pair in pairs for x in pair)
-                 and phases[0][0] == 0 and all(a >= 1 for _, a in phases)
-                 and all(s1 < s2 for (s1, _), (s2, _) in zip(phases, phases[1:])))
-    except (TypeError, ValueError, IndexError):
-        valid = False
-    if not valid:
-        raise ConfigError(f"algorithm.every={every!r}: must be an integer A >= 1, or a schedule "
-                          f"[[0, A0], [step1, A1], ...] of increasing steps from 0 and periods >= 1")
-    return phases
-
-
-@functools.lru_cache(maxsize=64)
-def aggregation_steps(schedule: tuple[tuple[int, int], ...], last_step: int) -> tuple[int, ...]:
-    """The steps that aggregate, the one definition (trainer, cost model, analysis): step s does when
-    at least A steps have passed since the previous aggregation (0 at the start), A being the period
-    of the phase holding s (phase p holds the steps > start_p, up to the next phase's start), and
-    the last step always does. So [[0, 8], [12, 8]] is every 8 steps and [[0, 8], [12, 16]] is 8,
-    24, 40, ... A function of the schedule and the step numbers alone: a resumed run agrees."""
-    steps, previous = [], 0
-    ends = [start for start, _ in schedule[1:]] + [last_step]
-    for (start, period), end in zip(schedule, ends):
-        # the phase's steps start+1..end: the first at least `period` after the previous one
-        steps += range(max(previous + period, start + 1), min(end, last_step) + 1, period)
-        previous = steps[-1] if steps else previous
-    if last_step >= 1 and (not steps or steps[-1] != last_step):
-        steps.append(last_step)
-    return tuple(steps)
 
 
 def federated_mask(patterns, names: list[str]) -> list[bool]:
@@ -137,8 +95,6 @@ class FedAvgConfig:
     federate: tuple = (".*",)          # regular expressions over parameter names; the rest stays local
 
     def __post_init__(self):
-        from .schema import check_values
-
         object.__setattr__(self, "schedule", schedule_of(self.every))  # an FL algorithm needs one
         check_values({"algorithm.fedavg.mode": self.mode, "algorithm.fedavg.bucket_mb": self.bucket_mb,
                       "algorithm.federate": list(self.federate)})

@@ -9,7 +9,7 @@
   metrics.jsonl (fldp/comm.py) are checked against this variant, exactly.
 
 Both variants amortise the aggregations over the run as the trainer runs them: their number from
-the schedule (fldp.aggregation.aggregation_steps, the last step included), only the federated
+the schedule (fldp.schedule.aggregation_steps, the last step included), only the federated
 parameters (`algorithm.federate`), in `algorithm.outer.reduce_dtype` (fp32 sums of bf16 weights
 send twice the bytes).
 
@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .aggregation import REDUCE_DTYPES, aggregation_steps, bucket_indices, federated_mask, schedule_of
+from .aggregation import REDUCE_DTYPES, bucket_indices, federated_mask
+from .schedule import aggregation_steps, schedule_of
 from .mesh import DIMS, MeshShape
 
 # the collectives' time costs, Table 1 (D: message bytes, n: processes, B: bytes/s)

@@ -24,9 +24,14 @@ from typing import Any, Callable
 from omegaconf import DictConfig, ListConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from .aggregation import MODES, OUTER, REDUCE_DTYPES, schedule_of
 from .errors import ConfigError
 from .mesh import DIMS
+from .schedule import schedule_of
+
+# The choices of the algorithm's keys (fldp.aggregation builds its configs on them)
+MODES = ("leader_broadcast", "all_replicas")
+OUTER = ("sgd", "adam")
+REDUCE_DTYPES = (None, "bf16", "fp32")
 
 
 @dataclass(frozen=True)

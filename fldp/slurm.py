@@ -6,6 +6,7 @@ Inside the job, fldp.launch.from_environment turns the srun task's SLURM variabl
 torch.distributed world, with the rendezvous from `fldp.launch.rendezvous()`."""
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -34,12 +35,11 @@ def submits(cfg) -> bool:
 
 # --- inside the job ---------------------------------------------------------------------------
 
-def run_rank(cfg, run_dir: str):
-    """What every task of a submitted job runs (pickled by submitit). With cluster.max_requeue, the
+def run_rank(cfg, run_dir: str, run):
+    """What every task of a submitted job runs (pickled by submitit): run(cfg, run_dir), fldp.train's
+    entry point, passed in so that this module needs nothing of it. With cluster.max_requeue, the
     job resumes from its newest checkpoint in the same run directory (a requeued job starts here
     again), and SLURM's warning signal before the time limit makes it checkpoint and requeue."""
-    from .train import run
-
     if cfg.cluster.master_addr:
         os.environ["MASTER_ADDR"] = str(cfg.cluster.master_addr)
     if cfg.cluster.master_port:
@@ -188,9 +188,10 @@ def describe(cfg, shape: MeshShape, params: dict) -> str:
 
 # --- submission -------------------------------------------------------------------------------
 
-def submit(cfg, run_dir: str, shape: MeshShape) -> dict | None:
-    """Submit the run as one job. With cluster.wait, follow it and return rank 0's summary, or raise
-    WorkerError with the first failing rank's error; otherwise return once it is queued."""
+def submit(cfg, run_dir: str, shape: MeshShape, run) -> dict | None:
+    """Submit the run as one job whose every task calls run(cfg, run_dir) (run_rank). With
+    cluster.wait, follow it and return rank 0's summary, or raise WorkerError with the first failing
+    rank's error; otherwise return once it is queued."""
     params = job_parameters(cfg, shape)
     found = preflight.problems(cfg, run_dir)  # what the job would find out only after its wait in the queue
     if cfg.cluster.dry_run:
@@ -200,7 +201,7 @@ def submit(cfg, run_dir: str, shape: MeshShape) -> dict | None:
         return None
     if found := [*preflight.no_slurm(cfg), *found]:
         raise ConfigError(f"nothing submitted; {preflight.report(found)}")
-    job = submit_job(cfg, run_dir, shape)
+    job = submit_job(cfg, run_dir, shape, functools.partial(run_rank, run=run))
     if not cfg.cluster.wait:
         print(f"fldp: submitted SLURM job {job.job_id} ({shape.world} ranks on {cfg.topology.nodes} nodes); "
               f"records in {run_dir}; follow with `squeue -j {job.job_id}`, cancel with `scancel {job.job_id}`",
@@ -213,7 +214,7 @@ def submit(cfg, run_dir: str, shape: MeshShape) -> dict | None:
         raise
 
 
-def submit_job(cfg, run_dir: str, shape: MeshShape, fn=run_rank):
+def submit_job(cfg, run_dir: str, shape: MeshShape, fn):
     """sbatch the job that runs fn(cfg, run_dir) on every task; the submitit Job."""
     if missing := preflight.no_slurm(cfg):
         raise ConfigError(missing[0])

@@ -131,7 +131,7 @@ def run(cfg: DictConfig, run_dir: str) -> dict | None:
         return simulate.run(cfg, run_dir, blocks)
     if env is None and slurm.submits(cfg):  # one SLURM job; the ranks run this function again inside it
         check_run_dir(cfg, shape, run_dir)
-        return slurm.submit(cfg, run_dir, shape)
+        return slurm.submit(cfg, run_dir, shape, run)
     if env is None:
         check_run_dir(cfg, shape, run_dir)
         blocks = prepare(cfg.dataset)

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from transformers import get_cosine_schedule_with_warmup
 
-from .aggregation import FedAvg, FedAvgConfig, aggregation_steps
+from .aggregation import FedAvg, FedAvgConfig
+from .schedule import aggregation_steps
 from .checkpoint import Checkpointer, latest
 from .comm import CommMeter
 from .cost import tier_bandwidth

@@ -179,7 +179,7 @@ def test_every_lr_of_the_grid_is_paired():
 
 
 def test_too_few_seeds_give_no_verdict(tmp_path):
-    """With 2 seeds (the reduced CI study) every direction is n/a, even where both seeds agree by far
+    """With 2 seeds (CI's reduced study has 1) every direction is n/a, even where both seeds agree by far
     (FL+HSDP 300 against HSDP 500), and the report says so instead of failing."""
     st = Study([r for r in synthetic() if r.seed < 2])
     found = findings(st, paper.load())

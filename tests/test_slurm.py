@@ -414,7 +414,7 @@ def test_sbatch_refuses_an_impossible_job_at_once(tmp_path, idle_cluster):
     cfg = compose_cfg("cluster=slurm", "topology=slurm_2x4", "topology.nodes=3", "topology.procs_per_node=1",
                       "mesh.federation=3", "mesh.replicate=1", "mesh.shard=1")
     with pytest.raises(WorkerError, match="sbatch refused the job"):
-        slurm.submit_job(cfg, str(tmp_path), mesh_shape(cfg))
+        slurm.submit_job(cfg, str(tmp_path), mesh_shape(cfg), fn=_sleep)
 
 
 @needs_slurm
