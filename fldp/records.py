@@ -22,6 +22,7 @@ from .sweep import HASH_CHARS
 
 # The metric field names, defined once: the trainer writes them, analysis/ reads them.
 PHASES = ("forward", "backward", "optimizer", "aggregation")
+SHORT = {"forward": "fwd", "backward": "bwd", "optimizer": "opt", "aggregation": "agg"}  # the progress bar's
 TIME_FIELDS = tuple(f"time_{p}" for p in PHASES)
 STEP_FIELDS = ("step", "loss", "perplexity", "lr", "tokens", *TIME_FIELDS, "time_step", "aggregated")
 ANALYSED_FIELDS = ("step", "perplexity", *TIME_FIELDS, "time_step", "aggregated")  # what analysis/ needs
@@ -80,7 +81,7 @@ class Recorder:
         if self.bar is not None and row.get("split") != "eval":
             self.bar.update(1)
             self.bar.set_postfix_str(
-                f"ppl {row['perplexity']:.1f} | " + " ".join(f"{p[:3]} {row['time_' + p]:.3f}s" for p in PHASES)
+                f"ppl {row['perplexity']:.1f} | " + " ".join(f"{SHORT[p]} {row['time_' + p]:.3f}s" for p in PHASES)
             )
 
     def _append(self, line: bytes) -> None:

@@ -4,9 +4,13 @@ Everything that can be checked is checked here, before any worker starts: the me
 algorithm and topology, the trainer and optimiser settings, the data and tokenizer paths."""
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import logging
 import os
+import re
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -16,7 +20,7 @@ import torch
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from . import CONF, launch, netns, schema, slurm, sweep
 from .aggregation import FedAvgConfig
@@ -83,14 +87,18 @@ def check_run_dir(cfg, shape, run_dir: str) -> None:
         probe.unlink()
     except OSError as e:
         raise ConfigError(f"hydra.run.dir={run_dir}: not writable ({e.strerror})") from e
-    if sweep.refused(path, cfg.trainer.resume):
-        raise ConfigError(f"hydra.run.dir={run_dir} already holds a run's metrics.jsonl: continue it "
-                          f"with trainer.resume=auto, or choose another hydra.run.dir")
+    check_not_another_run(cfg, run_dir)
     saved = latest(path) if cfg.trainer.resume == "auto" else None
     if saved is not None:
         check_mesh(saved, shape)
         federation = FedAvgConfig.from_algorithm(cfg.algorithm)
         check_schedule(saved, federation.schedule if federation else None)
+
+
+def check_not_another_run(cfg, run_dir: str) -> None:
+    if sweep.refused(run_dir, cfg.trainer.resume):
+        raise ConfigError(f"hydra.run.dir={run_dir} already holds a run's metrics.jsonl: continue it "
+                          f"with trainer.resume=auto, or choose another hydra.run.dir")
 
 
 def check_vocab(cfg, blocks) -> None:
@@ -187,10 +195,17 @@ def name_the_sweep(cfg: DictConfig) -> None:
         cfg.wandb.group = "_".join(Path(hydra_cfg.sweep.dir).parts[-2:])
 
 
+# What Hydra writes into a run directory before the run starts (hydra.job.name is "train")
+HYDRA_FILES = {".hydra", "train.log"}
+# whether the single run's directory is new (Hydra creates it): set by precheck, read by main
+_new_run_dir: bool | None = None
+
+
 @hydra.main(config_path=str(CONF), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> dict | None:
     run_dir = HydraConfig.get().runtime.output_dir
-    if sweep.skips(run_dir, HydraConfig.get().mode == RunMode.MULTIRUN, cfg.trainer.get("skip_finished")):
+    multirun = HydraConfig.get().mode == RunMode.MULTIRUN
+    if sweep.skips(run_dir, multirun, cfg.trainer.get("skip_finished")):
         # before validation: a finished point stands on its records, whatever this config now says
         log.info("skipped: %s already finished (summary.json); trainer.skip_finished=false trainer.resume=auto "
                  "runs it again", run_dir)
@@ -205,12 +220,14 @@ def main(cfg: DictConfig) -> dict | None:
         print("fldp: interrupted by SIGINT before any worker started", file=sys.stderr)
         sys.exit(128 + signal.SIGINT)
     except (ConfigError, WorkerError, WriteError) as e:
-        if HydraConfig.get().mode == RunMode.MULTIRUN:
+        if multirun:
             # Hydra records this point as failed and runs the others; only at the end does it raise
             # the first failure, so say now which point failed and why.
             log.error("sweep point #%s (%s) failed: %s", HydraConfig.get().job.num,
                       " ".join(HydraConfig.get().overrides.task), e)
             raise
+        if isinstance(e, ConfigError) and _new_run_dir:
+            remove_hydra_files(run_dir)
         print(f"fldp: {'config error' if isinstance(e, ConfigError) else 'run failed'}: {e}", file=sys.stderr)
         sys.exit(2 if isinstance(e, ConfigError) else 1)
     if summary:
@@ -220,5 +237,85 @@ def main(cfg: DictConfig) -> dict | None:
     return summary
 
 
-if __name__ == "__main__":
+def remove_hydra_files(run_dir: str) -> None:
+    """A refused run leaves nothing: the new directory Hydra made for it (its .hydra/ and train.log,
+    nothing else), and the parents it made that are left empty, up to the working directory."""
+    path = Path(run_dir).absolute()
+    if not path.is_dir() or not {p.name for p in path.iterdir()} <= HYDRA_FILES:
+        return
+    logging.shutdown()  # train.log's handler
+    shutil.rmtree(path, ignore_errors=True)
+    for parent in path.parents:
+        if parent == Path.cwd() or not parent.is_relative_to(Path.cwd()) or any(parent.iterdir()):
+            break
+        parent.rmdir()
+
+
+# Hydra's command-line flags that the run's config does not decide (help, --cfg, a config dir,
+# shell completion): such a command goes to Hydra unchecked, as it is
+_RUN_FLAGS = ("-m", "--multirun", "-r", "--run")
+MAX_POINTS_CHECKED = 1024  # composing one takes ~10 ms
+
+
+def cli() -> None:
+    """fldp-train and `python -m fldp.train`: the config (every point of a sweep) is composed and
+    checked before Hydra writes anything, so a config that cannot work, Hydra's own override
+    errors included, exits 2 naming the key, and leaves no directory behind."""
+    args = sys.argv[1:]
+    if launch.from_environment() is None and not any(a.startswith("-") and a not in _RUN_FLAGS for a in args):
+        try:
+            precheck([a for a in args if a not in _RUN_FLAGS], multirun=any(a in ("-m", "--multirun") for a in args))
+        except ConfigError as e:
+            print(f"fldp: config error: {e}", file=sys.stderr)
+            sys.exit(2)
     main()
+
+
+def precheck(overrides: list[str], multirun: bool) -> None:
+    """Compose the config as Hydra will (each point of a sweep over the command line's values, as
+    Hydra's basic sweeper expands them); a single run is also validated, since Hydra would write
+    its .hydra/ before run() refuses it. A sweep point with a bad value is left to fail alone, as
+    it would in Hydra. Raises ConfigError."""
+    global _new_run_dir
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException as e:
+        raise ConfigError(str(e)) from None
+    points = [overrides]
+    if multirun:
+        try:
+            points = list(itertools.islice(itertools.product(*(
+                [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
+                else [o.input_line] for o in parsed)), MAX_POINTS_CHECKED))
+        except HydraException:  # a sweep this expansion cannot list (a glob over a group): Hydra's to check
+            return
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3", job_name="train"):
+        for point in points:
+            try:
+                cfg = compose("config", overrides=list(point), return_hydra_config=True)
+            except (HydraException, OmegaConfBaseException) as e:
+                where = f" (sweep point {' '.join(point)})" if multirun else ""
+                if unknown := re.match(r"Could not override '([^']+)'", str(e)):
+                    # a key the config lacks: composed with +, the schema names it and the nearest key
+                    added = [f"+{o}" if o.split("=")[0] == unknown[1] else o for o in point]
+                    with contextlib.suppress(HydraException, OmegaConfBaseException):
+                        schema.check(compose("config", overrides=added))
+                raise ConfigError(f"{e}{where}".replace("\n", " ")) from None
+    if multirun:
+        return
+    template = OmegaConf.to_container(cfg.hydra.run, resolve=False)["dir"]
+    run_dir = cfg.hydra.run.dir
+    _new_run_dir = "${now:" in template or not Path(run_dir).exists()
+    with open_dict(cfg):
+        del cfg["hydra"]
+    validate(cfg)
+    check_not_another_run(cfg, run_dir)  # before Hydra writes its train.log into that directory
+
+
+if __name__ == "__main__":
+    cli()

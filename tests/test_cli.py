@@ -36,6 +36,7 @@ def test_every_algorithm_on_every_local_topology(tmp_path, topology, algorithm):
     rows = read_rows(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
     assert len(read_rows(tmp_path, "eval")) == 1
+    assert "| fwd " in out.stderr and " bwd " in out.stderr, out.stderr[-1000:]  # the progress bar's phases
 
 
 def test_done_when_aggregation_only_every_a_steps(tmp_path):
@@ -85,3 +86,39 @@ def test_bad_config_fails_fast_naming_the_key(tmp_path, overrides, key):
     assert key in out.stderr, out.stderr[-2000:]
     assert not (tmp_path / "metrics.jsonl").exists(), "a worker started"
     assert elapsed < 45, f"took {elapsed:.0f}s to fail"
+
+
+REFUSED = [  # Hydra's own errors (composition, override grammar) and the schema's, single runs and sweeps
+    (["trainer.step=4"], "trainer.step=4: no such setting (did you mean trainer.steps?)"),
+    (["algorithm=bogus"], "Could not find 'algorithm/bogus'"),
+    (["trainer.steps=[1"], "no viable alternative"),
+    (["algorithm=fsdp,hsdp"], "Ambiguous value for argument 'algorithm=fsdp,hsdp'"),
+    (["mesh.shard=0"], "mesh.shard=0: must be an integer >= 1"),
+    (["-m", "algorithm=fsdp,bogus", "trainer.steps=1"], "Could not find 'algorithm/bogus'"),
+    (["-m", "trainer.step=1,2"], "trainer.step=1: no such setting"),
+]
+
+
+@pytest.mark.parametrize("args,message", REFUSED, ids=[" ".join(a) for a, _ in REFUSED])
+def test_a_refused_command_exits_2_and_writes_nothing(tmp_path, args, message):
+    """Before Hydra writes its outputs/.../.hydra/ and train.log, or a sweep's first point runs."""
+    out = cli(*args, cwd=tmp_path, timeout=60)
+    assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
+    assert out.stderr.startswith("fldp: config error: ") and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == [], "a refused command wrote " + ", ".join(map(str, tmp_path.rglob("*")))
+
+
+def test_a_refused_run_leaves_an_existing_run_directory_as_it_was(tmp_path):
+    """A run into a directory holding another run's records, refused, changes none of its files."""
+    run_dir = tmp_path / "run"
+    (run_dir / ".hydra").mkdir(parents=True)
+    files = {run_dir / "metrics.jsonl": '{"step": 1}\n', run_dir / "train.log": "the old run's log\n",
+             run_dir / ".hydra" / "config.yaml": "the old run's config\n"}
+    for path, text in files.items():
+        path.write_text(text)
+    for args in (["trainer.step=4"], ["trainer.steps=2"]):  # an unknown key; a run that is not a resume
+        out = cli(*args, f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=60)
+        assert out.returncode == 2, out.stderr[-2000:]
+        assert {p: p.read_text() for p in files} == files
+        assert sorted(p.name for p in run_dir.iterdir()) == [".hydra", "metrics.jsonl", "train.log"]
+    assert "already holds a run's metrics.jsonl" in out.stderr
