@@ -308,13 +308,17 @@ def precheck(overrides: list[str], multirun: bool) -> None:
                 raise ConfigError(f"{e}{where}".replace("\n", " ")) from None
     if multirun:
         return
-    template = OmegaConf.to_container(cfg.hydra.run, resolve=False)["dir"]
-    run_dir = cfg.hydra.run.dir
-    _new_run_dir = "${now:" in template or not Path(run_dir).exists()
+    try:  # a hydra.run.dir made of Hydra's runtime values is known only once Hydra runs
+        template = OmegaConf.to_container(cfg.hydra.run, resolve=False)["dir"]
+        run_dir = str(cfg.hydra.run.dir)
+    except OmegaConfBaseException:
+        run_dir = None
     with open_dict(cfg):
         del cfg["hydra"]
     validate(cfg)
-    check_not_another_run(cfg, run_dir)  # before Hydra writes its train.log into that directory
+    if run_dir is not None:
+        _new_run_dir = "${now:" in template or not Path(run_dir).exists()
+        check_not_another_run(cfg, run_dir)  # before Hydra writes its train.log into that directory
 
 
 if __name__ == "__main__":
