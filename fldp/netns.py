@@ -272,11 +272,9 @@ def from_config(cfg) -> Network | None:
 
 
 def summary_fields(cfg) -> dict:
-    """What joined the ranks, for summary.json: `netns` (emulated nodes, with the link), `sleep`
+    """What joined the ranks of the trainer, for summary.json (the simulator's: `none`): `netns` (emulated nodes, with the link), `sleep`
     (comm.emulate: loopback plus sleeps of bytes / tier bandwidth), `loopback` (forked here), or
     `external` (ranks started by torchrun/srun: whatever network joins their hosts)."""
-    if cfg.cluster.name == "simulate":
-        return {"network": "none", "network_link": None}
     if cfg.comm.emulate:
         return {"network": "sleep", "network_link": None}
     if enabled(cfg.topology):

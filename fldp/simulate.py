@@ -201,7 +201,8 @@ class Simulation:
                 recorder.log(self.eval_row(step, self.fedavg is not None and not aggregated))
         final = self.eval_row(steps, groups_differ=False)
         recorder.log(final)
-        summary = run_summary(cfg, shape, self.fedavg, steps, shape.world, tokens_per_step, train_time, row, final)
+        summary = run_summary(cfg, shape, self.fedavg, steps, shape.world, tokens_per_step, train_time, row, final,
+                              executed={"executor": "simulator", "network": "none", "network_link": None})
         recorder.finish(summary)
         return summary
 

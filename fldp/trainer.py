@@ -255,15 +255,17 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None)
     if recorder is None:
         return None
     recorder.log(final)
-    summary = run_summary(cfg, shape, fedavg_cfg, steps, world, tokens_per_step, train_time, row, final)
+    summary = run_summary(cfg, shape, fedavg_cfg, steps, world, tokens_per_step, train_time, row, final,
+                          executed={"executor": "trainer", **summary_fields(cfg)})
     recorder.finish(summary)
     return summary
 
 
 def run_summary(cfg, shape, fedavg_cfg, steps: int, world: int, tokens_per_step: int, train_time: float,
-                last_row: dict, final: dict) -> dict:
-    """summary.json: what ran (the setting), and its results (the last training step's and the final
-    evaluation's). One definition for the distributed trainer and the simulator (fldp.simulate)."""
+                last_row: dict, final: dict, executed: dict) -> dict:
+    """summary.json: what ran (the setting), how (`executed`: the executor, and the network that
+    joined the ranks), and its results (the last training step's and the final evaluation's). One
+    definition for the distributed trainer and the simulator (fldp.simulate)."""
     return {
         "algorithm": cfg.algorithm.name, "federation": shape.federation, "replicate": shape.replicate,
         "shard": shape.shard, "every": fedavg_cfg.every if fedavg_cfg else None,
@@ -277,7 +279,7 @@ def run_summary(cfg, shape, fedavg_cfg, steps: int, world: int, tokens_per_step:
         "model": cfg.model.name, "dataset": cfg.dataset.name, "precision": cfg.trainer.precision,
         "batch_size": cfg.trainer.batch_size, "tokens": steps * tokens_per_step,
         "comm_emulated": bool(cfg.comm.emulate), "comm_scale": cfg.comm.scale if cfg.comm.emulate else None,
-        **summary_fields(cfg), "executor": "simulator" if cfg.cluster.name == "simulate" else "trainer",
+        **executed,
         "train_time_s": train_time, "train_loss": last_row["loss"], "train_perplexity": last_row["perplexity"],
         "eval_loss": final["loss"], "eval_perplexity": math.exp(final["loss"]), "eval_time_s": final["time_eval"],
         "eval_of": final["eval_of"], "group_eval_perplexity": final.get("group_perplexity"),
