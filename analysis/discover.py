@@ -85,15 +85,37 @@ def reports_parser(prog: str, doc: str):
     parser.add_argument("--out", required=True, type=Path, help="directory for the tables, figures and report")
     parser.add_argument("--paper", default=None, help="paper values (default: analysis/paper_values.json)")
     parser.add_argument("--strict", action="store_true", help="exit 1 if any run had to be skipped")
+    add_allow_mixed(parser)
     return parser
 
 
-def collect_for(prog: str, args: list[str]) -> tuple[list[Run], list[str]]:
-    """collect(), each unusable run named on stderr under the report's name."""
+def add_allow_mixed(parser) -> None:
+    parser.add_argument("--allow-mixed", action="store_true",
+                        help="pool runs of different fldp commits (summary.json's commit); refused otherwise")
+
+
+def collect_for(prog: str, args: list[str], allow_mixed: bool = False) -> tuple[list[Run], list[str]]:
+    """collect(), each unusable run named on stderr under the report's name. Runs of more than one
+    commit (a dirty tree counts as its own) are refused, exit 2, unless allow_mixed: a comparison
+    across code versions must be asked for."""
     runs, problems = collect(args)
     for p in problems:
         print(f"{prog}: skipped {p}", file=sys.stderr)
     if not runs:
         print(f"{prog}: no usable runs, nothing written", file=sys.stderr)
+    commits = commits_of(runs)
+    if len(commits) > 1 and not allow_mixed:
+        listed = "; ".join(f"{c} ({len(names)} runs, e.g. {names[0]})" for c, names in commits.items())
+        print(f"{prog}: the runs come from {len(commits)} commits: {listed}. Nothing written: pass "
+              f"--allow-mixed to report them together", file=sys.stderr)
+        raise SystemExit(2)
     return runs, problems
+
+
+def commits_of(runs: list[Run]) -> dict[str, list[str]]:
+    """The runs' names by the commit that made them ('unknown': records without one)."""
+    found: dict[str, list[str]] = {}
+    for run in runs:
+        found.setdefault(run.summary.get("commit") or "unknown", []).append(run.name)
+    return found
 

@@ -26,7 +26,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from . import paper as paper_values  # noqa: E402
-from .discover import collect_for  # noqa: E402
+from .discover import add_allow_mixed, collect_for  # noqa: E402
 from .render import markdown  # noqa: E402
 from .science import paper_ratio  # noqa: E402
 from .stats import LEVEL, Claim, judge, paired_ratio, seeds_for  # noqa: E402
@@ -223,10 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--elapsed", type=float, default=None, help="the study's wall time [s]")
     parser.add_argument("--paper", default=None, help="paper values (default: analysis/paper_values.json)")
     parser.add_argument("--strict", action="store_true", help="exit 1 if any run had to be skipped")
+    add_allow_mixed(parser)
     args = parser.parse_args(argv)
     if not args.decide and args.out is None:
         parser.error("--out DIR, or --decide")
-    runs, problems = collect_for("analysis.paper_shape", args.runs)
+    runs, problems = collect_for("analysis.paper_shape", args.runs, args.allow_mixed)
     if not runs:
         return 1
     df, paper = frame(runs), paper_values.load(args.paper)

@@ -198,7 +198,7 @@ def _report_md(report, paper, command, t3, md3, md4, ratio_md, findings_md, foun
 
 def main(argv: list[str] | None = None) -> int:
     args = reports_parser("python -m analysis.report", __doc__).parse_args(argv)
-    runs, problems = collect_for("analysis.report", args.runs)
+    runs, problems = collect_for("analysis.report", args.runs, args.allow_mixed)
     if not runs:
         return 1
     command = "python -m analysis.report " + shlex.join(argv if argv is not None else sys.argv[1:])

@@ -472,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = reports_parser("python -m analysis.science", __doc__)
     parser.add_argument("--elapsed", type=float, default=None, help="the study's wall time [s], for the report")
     args = parser.parse_args(argv)
-    runs, problems = collect_for("analysis.science", args.runs)
+    runs, problems = collect_for("analysis.science", args.runs, args.allow_mixed)
     if not runs:
         return 1
     command = "python -m analysis.science " + shlex.join(argv if argv is not None else sys.argv[1:])

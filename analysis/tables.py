@@ -29,7 +29,8 @@ DERIVED = {"tokens", "world_size", "schedule", "aggregation_steps", "commit"}
 
 def setup(run: Run) -> dict:
     """Everything that defines the experiment except the seed."""
-    fixed = {k: v for k, v in flatten(run.summary).items() if not _is_result(k)}  # outer -> outer.lr, ...
+    # outer -> outer.lr, ...; provenance (command, host, versions) is where it ran, not what
+    fixed = {k: v for k, v in flatten(run.summary).items() if not _is_result(k) and not k.startswith("provenance.")}
     return {**{f"config.{k}": v for k, v in run.config.items()}, **fixed}
 
 

@@ -28,6 +28,7 @@ from .checkpoint import check_mesh, check_schedule, discard_incomplete, latest
 from .data import prepare
 from .errors import ConfigError, Interrupted, WorkerError, WriteError
 from .mesh import mesh_shape
+from .provenance import record_command
 from .records import check_wandb_login
 
 log = logging.getLogger("fldp")
@@ -262,6 +263,7 @@ def cli() -> None:
     checked before Hydra writes anything, so a config that cannot work, Hydra's own override
     errors included, exits 2 naming the key, and leaves no directory behind."""
     args = sys.argv[1:]
+    record_command(args)
     if launch.from_environment() is None and not any(a.startswith("-") and a not in _RUN_FLAGS for a in args):
         try:
             precheck([a for a in args if a not in _RUN_FLAGS], multirun=any(a in ("-m", "--multirun") for a in args))

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import subprocess
 import time
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from .data import Blocks, RankBatches
 from .mesh import DIMS, ConfigError, build_mesh, group_mesh, mesh_shape
 from .model import DTYPES, build_model, init_weights, llama_config, parallelize
 from .netns import summary_fields
+from .provenance import provenance, source_commit
 from .records import PHASES, Recorder
 
 
@@ -283,21 +283,5 @@ def run_summary(cfg, shape, fedavg_cfg, steps: int, world: int, tokens_per_step:
         "train_time_s": train_time, "train_loss": last_row["loss"], "train_perplexity": last_row["perplexity"],
         "eval_loss": final["loss"], "eval_perplexity": math.exp(final["loss"]), "eval_time_s": final["time_eval"],
         "eval_of": final["eval_of"], "group_eval_perplexity": final.get("group_perplexity"),
-        "commit": source_commit(),
+        "commit": source_commit(), "provenance": provenance(),
     }
-
-
-def source_commit() -> str | None:
-    """The git commit of the fldp that ran, '-dirty' if its tracked files had changes; None outside
-    a git checkout (an installed wheel)."""
-    root = Path(__file__).resolve().parents[1]
-    git = ["git", "-C", str(root)]
-    try:
-        head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        if head.returncode != 0:
-            return None
-        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return head.stdout.strip() + ("-dirty" if dirty else "")

@@ -242,6 +242,30 @@ def test_findings_are_paired_intervals_not_means_or_unanimous_seeds():
     assert (three.loc[three["family"] == "exploratory", "level"] == 0.95).all()
 
 
+def test_runs_of_two_commits_are_reported_together_only_when_asked(sweep, tmp_path, capsys):
+    """Each summary records the commit and the provenance of its run; a report over runs of two
+    commits writes nothing and exits 2 naming both, unless --allow-mixed."""
+    import torch
+
+    from analysis.report import main as report_main
+
+    first = summary(sweep / "fsdp_seed0")
+    assert first["commit"] and first["provenance"]["versions"]["torch"] == torch.__version__
+    assert first["provenance"]["host"] and first["provenance"]["python"]
+    tree = tmp_path / "runs"
+    shutil.copytree(sweep, tree)
+    changed = tree / "hsdp_seed1" / "summary.json"
+    changed.write_text(json.dumps({**summary(tree / "hsdp_seed1"), "commit": "0" * 40}))
+    with pytest.raises(SystemExit) as refused:
+        report_main([str(tree), "--out", str(tmp_path / "mixed")])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "from 2 commits" in err and "0" * 40 + " (1 runs" in err, err
+    assert f"{first['commit']} ({len(ALGOS) * len(SEEDS) - 1} runs" in err, err
+    assert not (tmp_path / "mixed").exists()
+    assert report_main([str(tree), "--out", str(tmp_path / "mixed"), "--allow-mixed"]) == 0
+    assert (tmp_path / "mixed" / "table3.csv").exists()
+
+
 def test_broken_runs_are_named_and_skipped(sweep, tmp_path, capsys):
     tree = tmp_path / "runs"
     for algo in ALGOS:

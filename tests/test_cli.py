@@ -37,6 +37,9 @@ def test_every_algorithm_on_every_local_topology(tmp_path, topology, algorithm):
     assert [r["step"] for r in rows] == [1, 2]
     assert len(read_rows(tmp_path, "eval")) == 1
     assert "| fwd " in out.stderr and " bwd " in out.stderr, out.stderr[-1000:]  # the progress bar's phases
+    # the command that started it, as rank 0 of the forked workers recorded it
+    assert summary["provenance"]["command"] == f"python -m fldp.train algorithm={algorithm} topology={topology} " \
+        + " ".join(["trainer.steps=2", *FAST, *extra, f"hydra.run.dir={tmp_path}"])
 
 
 def test_done_when_aggregation_only_every_a_steps(tmp_path):

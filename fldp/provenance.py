@@ -1,0 +1,49 @@
+"""Where a run's numbers came from: the git commit of the fldp that ran, the versions of what
+computed them, the command and the host. summary.json and the W&B config carry it; the analysis
+refuses to pool runs of different commits unless asked (analysis.discover)."""
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import shlex
+import socket
+import subprocess
+from pathlib import Path
+
+# the command that started the run, set by fldp.train.cli; forked workers and SLURM jobs inherit it
+COMMAND_VARIABLE = "FLDP_COMMAND"
+PACKAGES = ("fldp", "torch", "transformers", "hydra-core", "omegaconf", "datasets")
+
+
+def record_command(args: list[str]) -> None:
+    """Keep the command line for the records (a run's ranks and jobs see only their own argv)."""
+    os.environ.setdefault(COMMAND_VARIABLE, shlex.join(["python", "-m", "fldp.train", *args]))
+
+
+def provenance() -> dict:
+    """What a summary records beside its setting: the command, the host, python and the versions."""
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return {"command": os.environ.get(COMMAND_VARIABLE), "host": socket.gethostname(),
+            "python": platform.python_version(), "versions": versions}
+
+
+def source_commit() -> str | None:
+    """The git commit of the fldp that ran, '-dirty' if its tracked files had changes; None outside
+    a git checkout (an installed wheel)."""
+    root = Path(__file__).resolve().parents[1]
+    git = ["git", "-C", str(root)]
+    try:
+        head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty else "")
