@@ -78,6 +78,11 @@ def collect(args: list[str]) -> tuple[list[Run], list[str]]:
     return runs, problems
 
 
+def invoked_as(module: str, script: str) -> str:
+    """How the user called a report, for its usage line: the console script or `python -m`."""
+    return script if Path(sys.argv[0]).name == script else f"python -m {module}"
+
+
 def reports_parser(prog: str, doc: str):
     """The command line every report shares: RUNS..., --out, --paper, --strict."""
     parser = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 
 from . import claims, paper as paper_values, render, tables
-from .discover import collect_for, reports_parser
+from .discover import collect_for, invoked_as, reports_parser
 from .figure import perplexity_figure, save
 from .records import Run
 from .stats import MIN_SEEDS, TIE_HIGH, TIE_LOW
@@ -197,7 +197,7 @@ def _report_md(report, paper, command, t3, md3, md4, ratio_md, findings_md, foun
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = reports_parser("python -m analysis.report", __doc__).parse_args(argv)
+    args = reports_parser(invoked_as("analysis.report", "fldp-report"), __doc__).parse_args(argv)
     runs, problems = collect_for("analysis.report", args.runs, args.allow_mixed)
     if not runs:
         return 1

@@ -409,7 +409,8 @@ def main() -> None:
     if as_json:
         sys.argv.remove("--json")
     # a calculation, not a run: no output directory, no log file
-    sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+    sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none",
+                 "hydra/help=fldp_cost"]
 
     from . import CONF
 

@@ -87,6 +87,16 @@ def test_help_lists_the_groups_and_examples(installed, tmp_path):
     assert sum(line.strip().startswith("fldp-train") for line in examples.splitlines()) >= 5
 
 
+def test_each_command_has_its_own_help(installed, tmp_path):
+    cost = outside(installed, tmp_path, "fldp-cost", "--help")
+    assert cost.returncode == 0 and cost.stdout.startswith("fldp-cost (or python -m fldp.cost)"), cost.stdout[:500]
+    assert "fldp-train (or" not in cost.stdout and "fldp-cost topology=leonardo_512" in cost.stdout
+    report = outside(installed, tmp_path, "fldp-report", "--help")
+    assert report.returncode == 0 and report.stdout.startswith("usage: fldp-report "), report.stdout[:500]
+    assert outside(installed, tmp_path, "-m", "analysis.report", "--help").stdout.startswith(
+        "usage: python -m analysis.report ")
+
+
 def test_shell_completion(installed, tmp_path):
     script = outside(installed, tmp_path, "fldp-train", "--shell-completion", "install=bash")
     assert script.returncode == 0, script.stderr[-2000:]
