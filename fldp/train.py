@@ -235,6 +235,8 @@ def main(cfg: DictConfig) -> dict | None:
         log.info("train perplexity %.2f in %.2f s, eval perplexity %.2f in %.2f s",
                  summary["train_perplexity"], summary["train_time_s"],
                  summary["eval_perplexity"], summary["eval_time_s"])
+        for offline in sorted(Path(run_dir).glob("wandb/offline-run-*")):
+            log.info("W&B offline run in %s; upload it with: wandb sync %s", offline, offline)
     return summary
 
 

@@ -62,7 +62,8 @@ def test_default_command_with_no_arguments(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["algorithm"] == "fl_hsdp" and summary["world_size"] == 8
     assert len(read_rows(run_dir)) == summary["steps"] == 24
-    assert list(run_dir.glob("wandb/offline-run-*")), "no offline W&B run was written"
+    (offline,) = run_dir.glob("wandb/offline-run-*")
+    assert f"upload it with: wandb sync {offline}" in out.stdout + out.stderr, (out.stdout + out.stderr)[-2000:]
 
 
 BAD = [
