@@ -45,3 +45,10 @@ def aggregation_steps(schedule: tuple[tuple[int, int], ...], last_step: int) -> 
     if last_step >= 1 and (not steps or steps[-1] != last_step):
         steps.append(last_step)
     return tuple(steps)
+
+
+def schedule_text(every) -> str:
+    """algorithm.every in words: 'every 8 steps', 'every 1 steps, then every 8 after step 16'."""
+    every = every if isinstance(every, (int, float, str)) else [list(pair) for pair in every]
+    phases = schedule_of(every)
+    return f"every {phases[0][1]} steps" + "".join(f", then every {a} after step {start}" for start, a in phases[1:])

@@ -1,6 +1,8 @@
 """One experiment as ONE SLURM job: topology.nodes x topology.procs_per_node tasks, every task a
 rank. The job's shape comes from the topology and the cluster config (conf/cluster/slurm.yaml,
-leonardo.yaml); submission, and following the job to its end, go through submitit.
+leonardo.yaml); submission, and following the job to its end, go through submitit. Light to
+import (its resolvers build the hydra/launcher=fldp_slurm config): checkpoint and preflight, which
+import torch, are imported where they are used.
 
 Inside the job, fldp.launch.from_environment turns the srun task's SLURM variables into the
 torch.distributed world, with the rendezvous from `fldp.launch.rendezvous()`."""
@@ -19,9 +21,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from . import checkpoint, preflight
 from .errors import ConfigError, WorkerError
 from .mesh import MeshShape
+from .schedule import schedule_text
 from .setting import differences, paper_config
 
 log = logging.getLogger("fldp")
@@ -40,6 +42,8 @@ def run_rank(cfg, run_dir: str, run):
     entry point, passed in so that this module needs nothing of it. With cluster.max_requeue, the
     job resumes from its newest checkpoint in the same run directory (a requeued job starts here
     again), and SLURM's warning signal before the time limit makes it checkpoint and requeue."""
+    from . import checkpoint
+
     if cfg.cluster.master_addr:
         os.environ["MASTER_ADDR"] = str(cfg.cluster.master_addr)
     if cfg.cluster.master_port:
@@ -160,6 +164,8 @@ def _from_env(variable: str, otherwise: str) -> str:
 
 
 def describe(cfg, shape: MeshShape, params: dict) -> str:
+    from .checkpoint import size_line
+
     t, tr = cfg.topology, cfg.trainer
     group_nodes = shape.group_size / t.procs_per_node
     steps = planned_steps(cfg, shape.world)
@@ -167,7 +173,7 @@ def describe(cfg, shape: MeshShape, params: dict) -> str:
     lines = [
         f"mesh: {cfg.algorithm.name} {shape} (federation x replicate x shard) = {shape.world} ranks; "
         f"a federation group is {shape.group_size} ranks ({group_nodes:g} node(s)), a sharding group "
-        f"{shape.shard} ranks" + (f"; FedAvg every {cfg.algorithm.every} steps" if shape.federation > 1 else "")
+        f"{shape.shard} ranks" + (f"; FedAvg {schedule_text(cfg.algorithm.every)}" if shape.federation > 1 else "")
         + (f", {fedavg.get('mode')}" if shape.federation > 1 and shape.replicate > 1 else ""),
         f"run: model {cfg.model.name}, dataset {cfg.dataset.name}, {tr.precision}, batch {tr.batch_size} per "
         f"rank, {steps if steps is not None else 'one pass of'} steps, {cfg.optimizer.name} lr {cfg.optimizer.lr}, "
@@ -177,7 +183,7 @@ def describe(cfg, shape: MeshShape, params: dict) -> str:
         f"account {params.get('account', _from_env('SBATCH_ACCOUNT', '(not set)'))}, "
         f"qos {params.get('qos', _from_env('SBATCH_QOS', '(default)'))}, "
         f"{params['time']} min",
-        checkpoint.size_line(cfg, shape),
+        size_line(cfg, shape),
     ]
     if t.get("paper_setting"):
         differ = differences(cfg, paper_config(cfg.algorithm.name, t.name))
@@ -192,6 +198,8 @@ def submit(cfg, run_dir: str, shape: MeshShape, run) -> dict | None:
     """Submit the run as one job whose every task calls run(cfg, run_dir) (run_rank). With
     cluster.wait, follow it and return rank 0's summary, or raise WorkerError with the first failing
     rank's error; otherwise return once it is queued."""
+    from . import preflight
+
     params = job_parameters(cfg, shape)
     found = preflight.problems(cfg, run_dir)  # what the job would find out only after its wait in the queue
     if cfg.cluster.dry_run:
@@ -216,6 +224,8 @@ def submit(cfg, run_dir: str, shape: MeshShape, run) -> dict | None:
 
 def submit_job(cfg, run_dir: str, shape: MeshShape, fn):
     """sbatch the job that runs fn(cfg, run_dir) on every task; the submitit Job."""
+    from . import preflight
+
     if missing := preflight.no_slurm(cfg):
         raise ConfigError(missing[0])
     import submitit

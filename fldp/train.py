@@ -1,7 +1,11 @@
 """`python -m fldp.train [overrides]`: one experiment.
 
 Everything that can be checked is checked here, before any worker starts: the mesh against the
-algorithm and topology, the trainer and optimiser settings, the data and tokenizer paths."""
+algorithm and topology, the trainer and optimiser settings, the data and tokenizer paths.
+
+torch and what imports it (launch, aggregation, checkpoint, data) are imported by the
+functions that need them, not at the top: `--help`, `--cfg job` and shell completion need none of
+it, and importing torch takes seconds."""
 from __future__ import annotations
 
 import contextlib
@@ -16,16 +20,11 @@ import sys
 from pathlib import Path
 
 import hydra
-import torch
-import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from . import CONF, launch, netns, schema, slurm, sweep
-from .aggregation import FedAvgConfig
-from .checkpoint import check_mesh, check_schedule, discard_incomplete, latest
-from .data import prepare
+from . import CONF, netns, schema, slurm, sweep  # slurm: its resolvers build hydra/launcher=fldp_slurm
 from .errors import ConfigError, Interrupted, WorkerError, WriteError
 from .mesh import mesh_shape
 from .provenance import record_command
@@ -38,6 +37,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are forked a
 def validate(cfg: DictConfig):
     """Fail fast on a config that cannot work; returns the mesh shape. First the schema (every key
     known, typed and in range: fldp.schema), then what ties the groups together."""
+    import torch
+
+    from . import launch
+    from .aggregation import FedAvgConfig
+
     schema.check(cfg)
     shape = mesh_shape(cfg)
     federation = FedAvgConfig.from_algorithm(cfg.algorithm)
@@ -64,6 +68,8 @@ def simulates(cfg) -> bool:
 
 def check_simulation(cfg) -> None:
     """What cluster=simulate (fldp/simulate.py) cannot do."""
+    import torch
+
     if cfg.trainer.checkpoint_every or cfg.trainer.resume:
         raise ConfigError(f"trainer.checkpoint_every={cfg.trainer.checkpoint_every}, trainer.resume="
                           f"{cfg.trainer.resume}: cluster=simulate keeps no checkpoints (a simulated run is "
@@ -80,6 +86,9 @@ def check_simulation(cfg) -> None:
 
 def check_run_dir(cfg, shape, run_dir: str) -> None:
     """Writable, and not holding another run's records unless this run resumes it."""
+    from .aggregation import FedAvgConfig
+    from .checkpoint import check_mesh, check_schedule, latest
+
     path = Path(run_dir)
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -125,6 +134,12 @@ def _rank(cfg, run_dir, blocks, device):
 
 
 def run(cfg: DictConfig, run_dir: str) -> dict | None:
+    import torch.distributed as dist
+
+    from . import launch
+    from .checkpoint import discard_incomplete
+    from .data import prepare
+
     shape = validate(cfg)
     check_wandb_login(cfg)
     env = launch.from_environment()
@@ -182,6 +197,8 @@ def run(cfg: DictConfig, run_dir: str) -> dict | None:
 
 def resume_hint(run_dir: str) -> str:
     """Where a stopped local run can continue from."""
+    from .checkpoint import latest
+
     saved = latest(run_dir)
     where = (f"from {saved} (step {int(saved.name.split('_')[1])})" if saved
              else "from the start (no complete checkpoint)")
@@ -266,13 +283,20 @@ def cli() -> None:
     errors included, exits 2 naming the key, and leaves no directory behind."""
     args = sys.argv[1:]
     record_command(args)
-    if launch.from_environment() is None and not any(a.startswith("-") and a not in _RUN_FLAGS for a in args):
+    if not any(a.startswith("-") and a not in _RUN_FLAGS for a in args) and not launched():
         try:
             precheck([a for a in args if a not in _RUN_FLAGS], multirun=any(a in ("-m", "--multirun") for a in args))
         except ConfigError as e:
             print(f"fldp: config error: {e}", file=sys.stderr)
             sys.exit(2)
     main()
+
+
+def launched() -> bool:
+    """Whether this process is a rank of a world torchrun or srun started (the launcher checked it)."""
+    from . import launch
+
+    return launch.from_environment() is not None
 
 
 def precheck(overrides: list[str], multirun: bool) -> None:

@@ -1,6 +1,8 @@
 """`python -m fldp.train` as a user runs it: every algorithm on every local topology, the default
 command, and bad configs that must fail fast, naming the key, before any worker starts."""
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -126,3 +128,13 @@ def test_a_refused_run_leaves_an_existing_run_directory_as_it_was(tmp_path):
         assert {p: p.read_text() for p in files} == files
         assert sorted(p.name for p in run_dir.iterdir()) == [".hydra", "metrics.jsonl", "train.log"]
     assert "already holds a run's metrics.jsonl" in out.stderr
+
+
+def test_help_imports_no_torch(tmp_path):
+    """`--help` prints the groups without importing torch (seconds to import: --help took 5-9 s)."""
+    code = ("import runpy, sys\nsys.argv = ['fldp-train', '--help']\ntry:\n"
+            "    runpy.run_module('fldp.train', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            "print('torch imported:', 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert "== Config groups" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.stdout.strip().endswith("torch imported: False"), out.stdout[-500:]
