@@ -12,6 +12,7 @@ primary family (judged with Holm's correction); everything else is exploratory (
 and its direction, not a finding)."""
 from __future__ import annotations
 
+import json
 import math
 import shlex
 import sys
@@ -44,7 +45,8 @@ def describe(run: Run) -> dict:
     return {
         "run": run.name, "algorithm": run.algorithm, "seed": run.seed, "precision": s["precision"],
         "reduce_dtype": (s.get("outer") or {}).get("reduce_dtype") or "-",
-        "lr": run.config.get("optimizer.lr", math.nan), "every": s.get("every") or 0,
+        # A; a schedule as its JSON text (hashable, never equal to an A): the study's A is an integer
+        "lr": run.config.get("optimizer.lr", math.nan), "every": _every(s.get("every")),
         "F": s["federation"], "R": s["replicate"], "S": s["shard"], "world": s["world_size"],
         "update_batch": group * s["batch_size"],  # sequences behind one optimiser step of one group
         "steps": s["steps"], "network": s.get("network", "loopback"),
@@ -53,6 +55,10 @@ def describe(run: Run) -> dict:
         "commit": s.get("commit") or "",
         "loss": list(run.steps["loss"]),
     }
+
+
+def _every(every) -> int | str:
+    return json.dumps(every) if isinstance(every, (list, tuple)) else int(every or 0)
 
 
 def _mode(col: pd.Series):
@@ -71,7 +77,8 @@ class Study:
         self.lr = float(_mode(main["lr"]))
         self.steps = int(_mode(main["steps"]))
         fl = main[main["F"] > 1]
-        self.every = int(_mode(fl["every"])) if len(fl) else 0
+        periods = fl["every"][fl["every"].map(lambda e: isinstance(e, int))]
+        self.every = int(_mode(periods)) if len(periods) else 0
         # the network that gives the times: the emulated one most runs used (loopback when none)
         timed = df[df["network"] != "loopback"]
         self.timed_network = _mode(timed["network"]) if len(timed) else "loopback"

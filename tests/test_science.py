@@ -209,3 +209,13 @@ def test_report_writes_every_part(tmp_path):
     # the frontier varies A at each algorithm's F and judges nothing
     frontier_md = text.split("## Perplexity against time")[1].split("## Limitations")[0]
     assert not any(w in frontier_md for w in ("reproduced", "opposite", "verdict", "trades"))
+
+
+def test_a_run_with_a_schedule_is_read_and_leaves_the_base_a_alone(tmp_path):
+    """algorithm.every as a schedule ([[0, 1], [4, 8]]) in the study's runs: read, never taken for
+    the base A (an integer: 8 here), and its own configuration (it crashed the study: int(list))."""
+    runs = synthetic() + [_run("fl_fsdp", s, 480.0, every=[[0, 1], [4, 8]], network="netns") for s in range(5)]
+    st = Study(runs)
+    assert st.every == 8
+    assert len(st.select("fl_fsdp", every="[[0, 1], [4, 8]]", network="netns")) == 5
+    assert report(st, paper.load(), tmp_path / "report", "test", None).exists()
