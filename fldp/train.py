@@ -107,8 +107,8 @@ def check_run_dir(cfg, shape, run_dir: str) -> None:
 
 def check_not_another_run(cfg, run_dir: str) -> None:
     if sweep.refused(run_dir, cfg.trainer.resume):
-        raise ConfigError(f"hydra.run.dir={run_dir} already holds a run's metrics.jsonl: continue it "
-                          f"with trainer.resume=auto, or choose another hydra.run.dir")
+        raise ConfigError(f"hydra.run.dir={run_dir} already holds a run's metrics.jsonl or checkpoints/: "
+                          f"continue it with trainer.resume=auto, or choose another hydra.run.dir")
 
 
 def check_vocab(cfg, blocks) -> None:

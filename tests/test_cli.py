@@ -130,6 +130,17 @@ def test_a_refused_run_leaves_an_existing_run_directory_as_it_was(tmp_path):
     assert "already holds a run's metrics.jsonl" in out.stderr
 
 
+def test_a_fresh_run_beside_another_runs_checkpoints_is_refused(tmp_path):
+    """Checkpoints without metrics.jsonl (the records deleted) are another run's too: a fresh run
+    there would, once killed, resume from that run's newest checkpoint, of another timeline."""
+    stale = tmp_path / "run" / "checkpoints" / "step_00000012"
+    stale.mkdir(parents=True)
+    (stale / "COMPLETE").write_text("")
+    out = cli("trainer.steps=2", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, timeout=60)
+    assert out.returncode == 2 and "checkpoints/" in out.stderr and "trainer.resume=auto" in out.stderr, out.stderr
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoints"]
+
+
 def test_help_imports_no_torch(tmp_path):
     """`--help` prints the groups without importing torch (seconds to import: --help took 5-9 s)."""
     code = ("import runpy, sys\nsys.argv = ['fldp-train', '--help']\ntry:\n"

@@ -52,7 +52,7 @@ def test_rerunning_a_sweep_skips_its_finished_points(tmp_path):
     log = refused.stdout + refused.stderr
     assert refused.returncode != 0 and "skipped" not in log
     for d in (one, two):
-        assert f"hydra.run.dir={d} already holds a run's metrics.jsonl: continue it with trainer.resume=auto" in log
+        assert f"hydra.run.dir={d} already holds a run's metrics.jsonl or checkpoints/: continue it with trainer.resume=auto" in log
         assert state(d) == before[d]  # nor its .hydra/ written over
 
     # with trainer.resume=auto only point 2 runs (skip_finished back to its default)
@@ -74,7 +74,7 @@ def test_a_single_run_into_a_finished_directory_is_refused_as_before(tmp_path):
         (tmp_path / name).write_text(text)
     out = cli("topology=local_2", *QUICK, f"hydra.run.dir={tmp_path}", cwd=tmp_path, timeout=120)
     assert out.returncode == 2 and "skipped" not in out.stdout + out.stderr
-    assert "already holds a run's metrics.jsonl: continue it with trainer.resume=auto" in out.stderr
+    assert "already holds a run's metrics.jsonl or checkpoints/: continue it with trainer.resume=auto" in out.stderr
     assert (tmp_path / ".hydra" / "config.yaml").read_text() == "old: 1\n"
 
 
