@@ -299,7 +299,9 @@ def group_bytes(cfg, shape: MeshShape, names_sizes: list[tuple[str, int]]) -> tu
     and what they hold: the parameters and the inner optimiser's state in the parameter dtype
     (AdamW: 2 moments; SGD with momentum: 1; DCP saves the group's replicas once), plus the outer
     optimiser's fp32 anchor and state on the federated parameters unless it is plain FedAvg (see
-    fldp.aggregation), kept by every replica in all_replicas mode, by replica 0 in leader_broadcast."""
+    fldp.aggregation), kept by every replica in all_replicas mode, by replica 0 in leader_broadcast;
+    and where algorithm.outer.reduce_dtype casts, every replica's copy of the federated weights at
+    the last aggregation (the change is reduced from it)."""
     from .aggregation import FedAvgConfig
     from .model import DTYPES
 
@@ -308,11 +310,17 @@ def group_bytes(cfg, shape: MeshShape, names_sizes: list[tuple[str, int]]) -> tu
     total = sum(n for _, n in names_sizes) * width * (1 + inner)
     held = f"{cfg.trainer.precision} weights" + (f" + {cfg.optimizer.name} {inner} moment(s)" if inner else "")
     federation = FedAvgConfig.from_algorithm(cfg.algorithm)
-    if federation is not None and not federation.outer.averages:
+    if federation is None:
+        return total, held
+    names = [name for name, _ in names_sizes]
+    federated = sum(n for (_, n), keep in zip(names_sizes, federation.federated(names)) if keep)
+    if federation.outer.reduce_dtype not in (None, cfg.trainer.precision):
+        # a casting reduce: every replica keeps the weights of the last aggregation (the reference)
+        total += shape.replicate * federated * width
+        held += f" + the last aggregation's weights x {shape.replicate} replicas"
+    if not federation.outer.averages:
         outer = federation.outer
         moments = 2 if outer.name == "adam" else (1 if outer.momentum else 0)
-        names = [name for name, _ in names_sizes]
-        federated = sum(n for (_, n), keep in zip(names_sizes, federation.federated(names)) if keep)
         holders = 1 if federation.mode == "leader_broadcast" else shape.replicate
         total += holders * federated * 4 * (1 + moments)
         held += f" + outer {outer.name}'s fp32 anchor" + (f" and {moments} moment(s)" if moments else "")

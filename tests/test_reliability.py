@@ -220,6 +220,23 @@ def test_keep_last_keeps_the_newest_complete_checkpoint_and_resume_still_works(t
     assert expected <= written < expected * 1.05, (written, expected)
 
 
+@pytest.mark.parametrize("outer", [[], ["algorithm.outer.momentum=0.9", "algorithm.outer.nesterov=true",
+                                         "algorithm.outer.lr=0.7"]], ids=["fedavg", "diloco"])
+def test_the_dry_runs_checkpoint_size_counts_what_a_casting_reduce_keeps(tmp_path, outer):
+    """bf16 weights summed in fp32: every replica keeps the weights of the last aggregation (the
+    reference, bf16), which is also the outer optimiser's anchor on the replica that leads. The
+    dry run's formula against the bytes DCP wrote for one federation group (2 replicas)."""
+    cfg = compose_cfg("algorithm=fl_hsdp", "topology=local_4", "trainer.steps=2", "algorithm.every=2",
+                      "trainer.precision=bf16", "algorithm.outer.reduce_dtype=fp32", "trainer.checkpoint_every=2",
+                      "wandb.mode=disabled", "trainer.progress=false", "trainer.eval_batches=1", *outer)
+    assert (mesh_shape(cfg).federation, mesh_shape(cfg).replicate, mesh_shape(cfg).shard) == (2, 2, 1)
+    train_world(cfg, tmp_path / "run")
+    model = build_model(llama_config(cfg.model, 4096), "meta")
+    expected, held = group_bytes(cfg, mesh_shape(cfg), [(n, p.numel()) for n, p in model.named_parameters()])
+    written = sum(f.stat().st_size for f in (tmp_path / "run" / "checkpoints" / "step_00000002" / "group_0").iterdir())
+    assert expected <= written < expected * 1.05, (written, expected, held)
+
+
 def test_async_save_kill_and_resume_equals_an_uninterrupted_run(tmp_path, uninterrupted):
     """trainer.async_save: DCP writes in a background thread; COMPLETE only once every rank's write
     ended, so the checkpoint resumed from is whole."""
