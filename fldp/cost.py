@@ -240,7 +240,7 @@ def predict(units: Units, shape: MeshShape, bandwidth: dict[str, float], every=N
         "broadcast": fed_bcast / B_R,
     }
 
-    # --- gloo variant (measured on the netns links, README "Communication"): gloo's reduce-scatter
+    # --- gloo variant (measured on the netns links, docs/netns.md "What gloo really sends"): gloo's reduce-scatter
     # is an all-reduce (2 (S-1) M per rank, twice a ring's) and its broadcast is flat (the root
     # sends the whole message to each of the R-1 others); all-gather and all-reduce are rings.
     # Every step of a ring (a broadcast: every send) adds its dimension's latency (alpha-beta).
