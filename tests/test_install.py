@@ -137,3 +137,25 @@ def test_every_imported_library_is_declared():
                 if _normal(DISTRIBUTIONS.get(top, top)) not in declared:
                     undeclared.setdefault(top, str(path.relative_to(ROOT)))
     assert not undeclared, f"imported but not in pyproject.toml: {undeclared}"
+
+
+def test_the_constraints_file_pins_every_dependency_within_its_range():
+    """experiments/constraints.txt (the versions the committed studies used) pins each dependency
+    of pyproject.toml, the dev extra's included, to one version that its range allows."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+    from packaging.version import Version
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pins = {}
+    for line in (ROOT / "experiments" / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, version = line.split("==")
+            pins[canonicalize_name(name)] = Version(version)
+    for text in [*project["dependencies"], *project["optional-dependencies"]["dev"]]:
+        req = Requirement(text)
+        pinned = pins.get(canonicalize_name(req.name))
+        assert pinned is not None, f"{req.name} is not pinned in experiments/constraints.txt"
+        assert req.specifier.contains(pinned, prereleases=True), f"{req.name}=={pinned} outside {req.specifier}"
