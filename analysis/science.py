@@ -321,28 +321,37 @@ def frontier(st: Study) -> tuple[pd.DataFrame, str]:
 
 
 def frontier_figure(table: pd.DataFrame, network: str):
+    """One panel per FL algorithm (its A), sharing the y axis; FSDP and HSDP in each as reference
+    points, hollow and on top, so a baseline at the same time as an FL point stays visible. The A
+    labels of one curve alternate above and below it, in the order of their times."""
     sns.set_theme(style="whitegrid", context="paper")
-    fig, ax = plt.subplots(figsize=(6.4, 4.2), layout="constrained")
     palette = dict(zip([NAMES[a] for a in ORDER], sns.color_palette(n_colors=len(ORDER))))
-    for (algo, F), g in table.groupby(["algorithm", "F"], sort=False):
-        err = None
-        if g["seeds"].min() > 1 and g["low"].notna().all():
-            err = [g["/ FSDP"] - g["low"], g["high"] - g["/ FSDP"]]
-        label = f"{algo} (F = {F})" if F > 1 else algo
-        ax.errorbar(g["train time [s]"], g["/ FSDP"], yerr=err, marker="o", capsize=3,
-                    color=palette.get(algo), label=label, linestyle="-" if len(g) > 1 else "none")
-        for _, r in g.iterrows():
-            if r["A"] != "-":
-                ax.annotate(f"A={r['A']}", (r["train time [s]"], r["/ FSDP"]), fontsize=7,
-                            xytext=(3, 3), textcoords="offset points")
-    ax.axhline(1, color="grey", lw=0.8)
-    ax.set_xlabel(f"training time [s] (sum of step times, {network} network)")
-    ax.set_ylabel("eval perplexity / FSDP's (same seed)")
+    is_fl = table["A"].map(lambda a: str(a) != "-")
+    curves = list(table[is_fl].groupby(["algorithm", "F"], sort=False))
+    baselines = table[~is_fl]
+    fig, axes = plt.subplots(1, max(len(curves), 1), figsize=(4.2 * max(len(curves), 1), 4.2), sharey=True,
+                             layout="constrained", squeeze=False)
     seeds = int(table["seeds"].max()) if len(table) else 0
-    ax.set_title(f"Exploratory: perplexity against time, A varied at each algorithm's F\n({seeds} seed"
-                 f"{'s' if seeds > 1 else ''} per point" + (", bars: paired 95% t-interval)" if seeds > 1 else ")"),
-                 fontsize=9)
-    ax.legend()
+    for ax, ((algo, F), g) in zip(axes[0], curves):
+        g = g.sort_values("train time [s]")
+        err = [g["/ FSDP"] - g["low"], g["high"] - g["/ FSDP"]] if g["seeds"].min() > 1 and g["low"].notna().all() else None
+        ax.errorbar(g["train time [s]"], g["/ FSDP"], yerr=err, marker="o", capsize=3, color=palette.get(algo),
+                    label=f"{algo} (F = {F})")
+        for i, (_, r) in enumerate(g.iterrows()):
+            ax.annotate(f"A={r['A']}", (r["train time [s]"], r["/ FSDP"]), fontsize=7, textcoords="offset points",
+                        xytext=(4, 5) if i % 2 == 0 else (4, -11))
+        for marker, (_, b) in zip(("s", "D", "^"), baselines.iterrows()):
+            ax.plot(b["train time [s]"], b["/ FSDP"], marker=marker, markersize=9, markerfacecolor="none",
+                    markeredgewidth=1.6, linestyle="none", color=palette.get(b["algorithm"]), zorder=4,
+                    label=b["algorithm"])
+        ax.axhline(1, color="grey", lw=0.8)
+        ax.margins(x=0.08)  # room for the labels of the first and last points
+        ax.set_xlabel(f"training time [s] (sum of step times, {network} network)", fontsize=8)
+        ax.set_title(f"{algo}, F = {F}: A varied", fontsize=9)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("eval perplexity / FSDP's (same seed)")
+    fig.suptitle(f"Exploratory: perplexity against time ({seeds} seed{'s' if seeds > 1 else ''} per point"
+                 + (", bars: paired 95% t-interval)" if seeds > 1 else ")"), fontsize=9)
     return fig
 
 

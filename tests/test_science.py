@@ -12,7 +12,7 @@ from analysis.records import make_run
 from analysis.science import RUN_COLUMNS, Study, batch_control, best_lrs, by_lr, drift, findings, frontier, report
 from analysis.stats import (TOO_FEW, Claim, direction, explore, holm_levels, judge, mean_interval, paired_ratio,
                             size, t_quantile)
-from conftest import compose_cfg
+from conftest import ROOT, compose_cfg
 from fldp.records import ANALYSED_FIELDS
 
 ALGOS = ("fsdp", "hsdp", "fl_fsdp", "fl_hsdp")
@@ -219,3 +219,20 @@ def test_a_run_with_a_schedule_is_read_and_leaves_the_base_a_alone(tmp_path):
     assert st.every == 8
     assert len(st.select("fl_fsdp", every="[[0, 1], [4, 8]]", network="netns")) == 5
     assert report(st, paper.load(), tmp_path / "report", "test", None).exists()
+
+
+def test_the_frontier_figure_draws_every_point_and_label_apart():
+    """The committed study's frontier (5 A at F = 4 and at F = 2, FSDP and HSDP): no A label over
+    another, and HSDP, at the time of FL+FSDP's A = 1, drawn as its own marker on top."""
+    from analysis.science import frontier_figure
+
+    table = pd.read_csv(ROOT / "experiments" / "science" / "frontier.csv", dtype={"A": str})
+    fig = frontier_figure(table, "netns")
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        boxes = [t.get_window_extent(renderer) for t in ax.texts]
+        assert len(boxes) == 5
+        assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:]), ax.get_title()
+        baselines = {line.get_label(): line for line in ax.lines if line.get_label() in ("FSDP", "HSDP")}
+        assert set(baselines) == {"FSDP", "HSDP"} and all(line.get_zorder() > 2 for line in baselines.values())
