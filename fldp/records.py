@@ -24,8 +24,11 @@ from .sweep import HASH_CHARS
 # The metric field names, defined once: the trainer writes them, analysis/ reads them.
 PHASES = ("forward", "backward", "optimizer", "aggregation")
 SHORT = {"forward": "fwd", "backward": "bwd", "optimizer": "opt", "aggregation": "agg"}  # the progress bar's
-TIME_FIELDS = tuple(f"time_{p}" for p in PHASES)
-STEP_FIELDS = ("step", "loss", "perplexity", "lr", "tokens", *TIME_FIELDS, "time_step", "aggregated")
+TIME_FIELDS = tuple(f"time_{p}" for p in PHASES)  # each the slowest rank's in that phase
+# the phases of the rank whose whole step was slowest (time_step): they add up to it, which the
+# time_ fields, each a maximum of its own, need not
+CRITICAL_FIELDS = tuple(f"critical_{p}" for p in PHASES)
+STEP_FIELDS = ("step", "loss", "perplexity", "lr", "tokens", *TIME_FIELDS, "time_step", *CRITICAL_FIELDS, "aggregated")
 ANALYSED_FIELDS = ("step", "perplexity", *TIME_FIELDS, "time_step", "aggregated")  # what analysis/ needs
 WANDB_MODES = ("offline", "online", "disabled")
 

@@ -195,7 +195,8 @@ class Simulation:
             train_time += step_time
             row = {"step": step, "loss": mean_loss, "perplexity": math.exp(mean_loss), "lr": lr,
                    "tokens": step * tokens_per_step, **{f"time_{p}": times[p] for p in PHASES},
-                   "time_step": step_time, "aggregated": aggregated}
+                   "time_step": step_time, **{f"critical_{p}": times[p] for p in PHASES},  # one process
+                   "aggregated": aggregated}
             recorder.log(row)
             if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step != steps:
                 recorder.log(self.eval_row(step, self.fedavg is not None and not aggregated))

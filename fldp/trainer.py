@@ -228,11 +228,12 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None)
             raise FloatingPointError(f"non-finite loss ({mean_loss}) at step {step}: stopping")
         largest = stats[:, 1:].max(dim=0).values.tolist()
         times, step_time, counts = largest[:len(PHASES)], largest[len(PHASES)], largest[len(PHASES) + 1:]
+        critical = stats[stats[:, 1 + len(PHASES)].argmax(), 1:1 + len(PHASES)].tolist()  # the slowest rank's
         train_time += step_time
         row = {"step": step, "loss": mean_loss, "perplexity": math.exp(mean_loss), "lr": lr,
                "tokens": step * tokens_per_step,
                **{f"time_{p}": t for p, t in zip(PHASES, times)}, "time_step": step_time,
-               "aggregated": aggregated,
+               **{f"critical_{p}": t for p, t in zip(PHASES, critical)}, "aggregated": aggregated,
                **{k: (int(v) if k.startswith("collectives") else v) for k, v in zip(counted, counts)}}
         if recorder:
             recorder.log(row)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import cli, read_rows
-from fldp.records import STEP_FIELDS, TIME_FIELDS
+from fldp.records import CRITICAL_FIELDS, PHASES, STEP_FIELDS, TIME_FIELDS
 
 FAST = ["wandb.mode=disabled", "trainer.eval_batches=1"]
 
@@ -54,6 +54,10 @@ def test_done_when_aggregation_only_every_a_steps(tmp_path):
     assert all(set(STEP_FIELDS) <= r.keys() for r in rows)
     # each time is the slowest rank's, so no phase exceeds the step
     assert all(r["time_step"] >= max(r[f] for f in TIME_FIELDS) for r in rows)
+    # the slowest rank's own phases: they add up to its step, each at most that phase's slowest
+    for r in rows:
+        assert sum(r[f] for f in CRITICAL_FIELDS) == pytest.approx(r["time_step"], rel=1e-9, abs=1e-9)
+        assert all(r[f"critical_{p}"] <= r[f"time_{p}"] for p in PHASES)
 
 
 def test_default_command_with_no_arguments(tmp_path):
