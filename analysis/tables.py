@@ -68,7 +68,8 @@ def per_run(runs: list[Run]) -> pd.DataFrame:
                      "steps": len(s), "train_perplexity": float(s["perplexity"].iloc[-1]),
                      "train_time_s": float(s["time_step"].sum()),
                      "eval_perplexity": float(run.summary["eval_perplexity"]),
-                     "eval_time_s": float(run.summary["eval_time_s"])})
+                     "eval_time_s": float(run.summary["eval_time_s"]),
+                     "commit": run.summary.get("commit") or ""})
     return pd.DataFrame(rows)
 
 
