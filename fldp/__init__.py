@@ -3,6 +3,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from . import provenance  # noqa: F401  (reads the commit of the code being imported, now)
+
 ASSETS = Path(__file__).parent / "assets"
 
 

@@ -33,9 +33,7 @@ def provenance() -> dict:
             "python": platform.python_version(), "versions": versions}
 
 
-def source_commit() -> str | None:
-    """The git commit of the fldp that ran, '-dirty' if its tracked files had changes; None outside
-    a git checkout (an installed wheel)."""
+def _git_commit() -> str | None:
     root = Path(__file__).resolve().parents[1]
     git = ["git", "-C", str(root)]
     try:
@@ -47,3 +45,14 @@ def source_commit() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return head.stdout.strip() + ("-dirty" if dirty else "")
+
+
+# Read once, when fldp is imported: the commit of the code this process runs. Read at the end of a
+# run instead, it named whatever the checkout held by then (a long sweep outlives several commits).
+_COMMIT_AT_IMPORT = _git_commit()
+
+
+def source_commit() -> str | None:
+    """The git commit of the fldp this process imported, '-dirty' if its tracked files had changes
+    then; None outside a git checkout (an installed wheel)."""
+    return _COMMIT_AT_IMPORT

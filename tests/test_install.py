@@ -159,3 +159,34 @@ def test_the_constraints_file_pins_every_dependency_within_its_range():
         pinned = pins.get(canonicalize_name(req.name))
         assert pinned is not None, f"{req.name} is not pinned in experiments/constraints.txt"
         assert req.specifier.contains(pinned, prereleases=True), f"{req.name}=={pinned} outside {req.specifier}"
+
+
+def test_the_commit_recorded_is_the_one_imported(tmp_path):
+    """A run records the commit of the code it imported, not what the checkout holds when it ends
+    (a study's sweep ran for an hour while the checkout moved on: its runs named 11 commits)."""
+    import importlib.util
+
+    repo = tmp_path / "repo"
+    (repo / "fldp").mkdir(parents=True)
+    shutil.copy(ROOT / "fldp" / "provenance.py", repo / "fldp" / "provenance.py")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+
+    def commit(message):
+        subprocess.run([*git, "add", "-A"], check=True)
+        subprocess.run([*git, "commit", "-qm", message], check=True)
+        return subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+
+    def load():
+        spec = importlib.util.spec_from_file_location("provenance_copy", repo / "fldp" / "provenance.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    first = commit("first")
+    imported = load()
+    (repo / "fldp" / "provenance.py").write_text((repo / "fldp" / "provenance.py").read_text() + "\n# later\n")
+    assert load().source_commit() == first + "-dirty"
+    second = commit("second")
+    assert imported.source_commit() == first
+    assert load().source_commit() == second != first
