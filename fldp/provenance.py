@@ -37,14 +37,17 @@ def _git_commit() -> str | None:
     root = Path(__file__).resolve().parents[1]
     git = ["git", "-C", str(root)]
     try:
-        head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        if head.returncode != 0:
+        head = subprocess.run([*git, "rev-parse", "--show-toplevel", "HEAD"], capture_output=True, text=True,
+                              timeout=10)
+        # only fldp's own checkout: an installed fldp inside another repository (a venv in a
+        # checkout) is not that repository's code
+        if head.returncode != 0 or Path(head.stdout.split()[0]).resolve() != root:
             return None
         dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                                text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
-    return head.stdout.strip() + ("-dirty" if dirty else "")
+    return head.stdout.split()[1] + ("-dirty" if dirty else "")
 
 
 # Read once, when fldp is imported: the commit of the code this process runs. Read at the end of a

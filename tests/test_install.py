@@ -190,3 +190,11 @@ def test_the_commit_recorded_is_the_one_imported(tmp_path):
     second = commit("second")
     assert imported.source_commit() == first
     assert load().source_commit() == second != first
+    # an fldp installed inside another checkout (a venv in it) has no commit: not that checkout's
+    inner = repo / "venv" / "site-packages" / "fldp"
+    inner.mkdir(parents=True)
+    shutil.copy(ROOT / "fldp" / "provenance.py", inner / "provenance.py")
+    spec = importlib.util.spec_from_file_location("provenance_installed", inner / "provenance.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.source_commit() is None
