@@ -9,6 +9,7 @@ it, and importing torch takes seconds."""
 from __future__ import annotations
 
 import contextlib
+import importlib
 import itertools
 import json
 import logging
@@ -155,7 +156,9 @@ def run(cfg: DictConfig, run_dir: str) -> dict | None:
         return simulate.run(cfg, run_dir, blocks)
     if env is None and slurm.submits(cfg):  # one SLURM job; the ranks run this function again inside it
         check_run_dir(cfg, shape, run_dir)
-        return slurm.submit(cfg, run_dir, shape, run)
+        # fldp.train.run by reference: under `python -m fldp.train` this module is __main__, whose
+        # functions cloudpickle would copy by value into the job
+        return slurm.submit(cfg, run_dir, shape, importlib.import_module("fldp.train").run)
     if env is None:
         check_run_dir(cfg, shape, run_dir)
         blocks = prepare(cfg.dataset)
