@@ -279,15 +279,25 @@ def job_state(job) -> str:
     """The job's SLURM state: sacct's; where sacct has no answer (a site without accounting),
     squeue's, and ENDED once squeue has forgotten the job. Asked of SLURM on every call: submitit's
     watcher stops asking about a job once it thinks it done, which a requeue proves wrong."""
-    sacct = _slurm_query(["sacct", "-n", "-X", "-P", "-j", str(job.job_id), "-o", "State"])
-    if sacct is not None and sacct.returncode == 0 and (lines := sacct.stdout.split("\n")[0].strip()):
-        return lines
+    if (state := _sacct_state(str(job.job_id))) is not None:
+        return state
     if (r := _squeue(job.job_id, "%T")) is None:
         return "UNKNOWN"
     states = sorted(set(r.stdout.split()))
     if r.returncode == 0 and states:  # one line per array task; any not ended keeps the job going
         return next((s for s in states if not ended(s)), states[0])
     return "ENDED" if "Invalid job id" in r.stderr else "UNKNOWN"
+
+
+def _sacct_state(job_id: str) -> str | None:
+    """sacct's State of the job, read by its header (as submitit asks: --parsable2 with a header);
+    None where sacct has no answer or no row for the job."""
+    r = _slurm_query(["sacct", "-X", "--parsable2", "-j", job_id, "-o", "JobID,State"])
+    lines = r.stdout.splitlines() if r is not None and r.returncode == 0 else []
+    if not lines or not {"JobID", "State"} <= set(header := lines[0].split("|")):
+        return None
+    rows = [dict(zip(header, line.split("|"))) for line in lines[1:]]
+    return next((row["State"] for row in rows if row["JobID"] == job_id), None)
 
 
 def waiting_reason(job_id: str) -> str:
