@@ -42,6 +42,7 @@ CLAIMS = (("FL+HSDP reaches a lower perplexity than HSDP", "hsdp", "fl_hsdp"),
           ("FL+FSDP reaches a lower perplexity than FSDP", "fsdp", "fl_fsdp"),
           ("FL+HSDP reaches a lower perplexity than FL+FSDP", "fl_fsdp", "fl_hsdp"))
 HALF_WIDTH, TARGET, MIN_SEEDS = 0.018, 0.02, 10   # the plan: N for +-1.8%, the target +-2%, N >= 10
+MAX_SEEDS = 20  # the plan's amendment 1: at the pilot's SDs the rule asked for 109-1,272 seeds
 PHASES = ("tune", "hsdp", "pilot", "judge")
 
 
@@ -119,6 +120,11 @@ def pilot(df: pd.DataFrame, lrs: dict, paper: dict) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def judging_seeds(needed: pd.Series) -> int:
+    """N: the most seeds any primary ratio needs, at least MIN_SEEDS, at most MAX_SEEDS."""
+    return min(MAX_SEEDS, max(MIN_SEEDS, int(needed.max())))
+
+
 def decide(df: pd.DataFrame, fixed_seeds: int | None, paper: dict) -> list[str]:
     chosen, extend = chosen_lrs(tuning(df))
     lines = [f"lr_{a}={lr:g}" for a, lr in chosen.items()] + [f"extend_{a}={lr:.3g}" for a, lr in extend.items()]
@@ -127,7 +133,7 @@ def decide(df: pd.DataFrame, fixed_seeds: int | None, paper: dict) -> list[str]:
     elif len(chosen) == len(ARMS) and (df["phase"] == "pilot").any():
         need = pilot(df, chosen, paper)["seeds_needed"]
         if need.notna().all():
-            lines.append(f"seeds={max(MIN_SEEDS, int(need.max()))}")
+            lines.append(f"seeds={judging_seeds(need)}")
     return lines
 
 
@@ -193,7 +199,11 @@ def report(df: pd.DataFrame, paper: dict, out: Path, command: str, elapsed: floa
     if len(chosen) == len(ARMS) and (df["phase"] == "pilot").any():
         p = pilot(df, chosen, paper)
         p.to_csv(out / "pilot.csv", index=False)
-        parts += ["## Pilot: the seeds the plan asks for\n", markdown(p.round({"sd_log": 4})), ""]
+        n = judging_seeds(p["seeds_needed"]) if p["seeds_needed"].notna().all() else None
+        parts += ["## Pilot: the seeds the plan asks for\n", markdown(p.round({"sd_log": 4})), "",
+                  f"Judging seeds N = {n} (the largest need, at least {MIN_SEEDS}, at most {MAX_SEEDS}: the "
+                  f"plan's amendment 1)." if n is not None else "Judging seeds: not yet known (pilot incomplete).",
+                  ""]
     if len(chosen) == len(ARMS) and (df["phase"] == "judge").any():
         f = findings(df, chosen, paper)
         f.to_csv(out / "findings.csv", index=False)

@@ -85,3 +85,13 @@ def test_decide_and_findings_on_made_up_runs():
     primary = f[f["setting"].str.contains("primary")].set_index("claim")
     assert primary.loc["FL+FSDP reaches a lower perplexity than FSDP", "direction"] == "opposite"  # 500 / 520
     assert primary.loc["FL+HSDP reaches a lower perplexity than FSDP", "size"] == "effect size refuted at this scale"
+
+
+def test_the_judging_seeds_are_capped_as_the_amendment_says():
+    """Amendment 1 of the plan: N is the largest need, at least 10, at most 20 (the pilot asked for
+    109-1,272 seeds)."""
+    from analysis.paper_shape import judging_seeds
+
+    assert judging_seeds(pd.Series([3, 7])) == 10
+    assert judging_seeds(pd.Series([12, 15])) == 15
+    assert judging_seeds(pd.Series([528, 1272, 109])) == 20
