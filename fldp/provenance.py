@@ -59,3 +59,9 @@ def source_commit() -> str | None:
     """The git commit of the fldp this process imported, '-dirty' if its tracked files had changes
     then; None outside a git checkout (an installed wheel)."""
     return _COMMIT_AT_IMPORT
+
+
+def run_fields() -> dict:
+    """What summary.json and the W&B config record of where a run came from: `commit` (the key
+    the analysis reads) and `provenance`."""
+    return {"commit": source_commit(), "provenance": provenance()}

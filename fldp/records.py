@@ -18,7 +18,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from .errors import ConfigError, WriteError
-from .provenance import provenance, source_commit
+from .provenance import run_fields
 from .sweep import HASH_CHARS
 
 # The metric field names, defined once: the trainer writes them, analysis/ reads them.
@@ -213,7 +213,7 @@ def _start_wandb(cfg, run_dir: Path):
             project=cfg.wandb.project, entity=cfg.wandb.entity, mode=mode, id=wandb_id(run_dir),
             resume="allow", **wandb_labels(cfg),
             name=wandb_name(cfg, run_dir), dir=str(run_dir),
-            config={**public_config(cfg), "commit": source_commit(), "provenance": provenance()},
+            config={**public_config(cfg), **run_fields()},
             # never block a training run on a missing network
             settings=wandb.Settings(init_timeout=60, silent=True, console="off"),
         )

@@ -274,8 +274,8 @@ def remove_hydra_files(run_dir: str) -> None:
         parent.rmdir()
 
 
-# Hydra's command-line flags that the run's config does not decide (help, --cfg, a config dir,
-# shell completion): such a command goes to Hydra unchecked, as it is
+# The flags a checked command may carry; a command with any other flag of Hydra's (--help, --cfg,
+# a config dir, shell completion) goes to Hydra unchecked, as it is
 _RUN_FLAGS = ("-m", "--multirun", "-r", "--run")
 MAX_POINTS_CHECKED = 1024  # composing one takes ~10 ms
 

@@ -24,7 +24,7 @@ from .data import Blocks, RankBatches
 from .mesh import DIMS, ConfigError, build_mesh, group_mesh, mesh_shape
 from .model import DTYPES, build_model, init_weights, llama_config, parallelize
 from .netns import summary_fields
-from .provenance import provenance, source_commit
+from .provenance import run_fields
 from .records import PHASES, Recorder
 
 
@@ -284,5 +284,5 @@ def run_summary(cfg, shape, fedavg_cfg, steps: int, world: int, tokens_per_step:
         "train_time_s": train_time, "train_loss": last_row["loss"], "train_perplexity": last_row["perplexity"],
         "eval_loss": final["loss"], "eval_perplexity": math.exp(final["loss"]), "eval_time_s": final["time_eval"],
         "eval_of": final["eval_of"], "group_eval_perplexity": final.get("group_perplexity"),
-        "commit": source_commit(), "provenance": provenance(),
+        **run_fields(),
     }
