@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The paper-shape study (experiments/paper_shape/PLAN.md, pre-registered): the paper's perplexity
 # claims at its own shape, simulated in one process (+experiment=paper_shape, cluster=simulate).
-#   bash experiments/paper_shape.sh [OUT] [--reduced] [--until PHASE] [KEY=VALUE...]   default OUT: outputs/paper_shape/DATE_TIME
+#   bash experiments/paper_shape.sh [OUT] [--reduced] [--until PHASE] [--allow-mixed] [KEY=VALUE...]   default OUT: outputs/paper_shape/DATE_TIME
 # Phases (a Hydra multirun each, records in OUT/runs/PHASE/<the swept values>/), as the plan orders:
 #   tune    the lr grid for FSDP, FL+FSDP and FL+HSDP on tuning seeds 100, 101 (extended once past an edge)
 #   hsdp    HSDP on one seed at FSDP's lr: the same computation as FSDP (bit-identical records)
@@ -9,19 +9,22 @@
 #   judge   each arm at its chosen lr, and at the shared lr (FSDP's) where that differs, seeds 0..N-1
 # then OUT/report/ (python -m analysis.paper_shape). Run again with the same OUT: finished points are
 # skipped (trainer.skip_finished). --until PHASE stops after that phase (say, tune and pilot today,
-# judge another day). --reduced (CI, ~3 min idle): 4 steps, lr 1e-2 and 3e-2, one tuning seed, pilot on 2
+# judge another day). --allow-mixed lets the analysis take runs made at several commits (a study run
+# over days; it names them). --reduced (CI, ~3 min idle): 4 steps, lr 1e-2 and 3e-2, one tuning seed, pilot on 2
 # seeds, N = 2; it checks the pipeline, its numbers judge nothing.
 set -uo pipefail
 OUT=
 REDUCED=0
 UNTIL=judge
+MIXED=
 OVERRIDES=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --reduced) REDUCED=1 ;;
+        --allow-mixed) MIXED=--allow-mixed ;;
         --until) UNTIL=${2:-}; shift
                  case "$UNTIL" in tune|hsdp|pilot|judge) ;; *) echo "paper_shape.sh: --until tune|hsdp|pilot|judge, not '$UNTIL'" >&2; exit 2 ;; esac ;;
-        -*) echo "paper_shape.sh: unknown option $1 (usage: [OUT] [--reduced] [--until PHASE] [KEY=VALUE...])" >&2; exit 2 ;;
+        -*) echo "paper_shape.sh: unknown option $1 (usage: [OUT] [--reduced] [--until PHASE] [--allow-mixed] [KEY=VALUE...])" >&2; exit 2 ;;
         *=*) OVERRIDES+=("$1") ;;
         *) if [ -n "$OUT" ]; then echo "paper_shape.sh: two output directories, $OUT and $1" >&2; exit 2; fi
            OUT=$1 ;;
@@ -51,12 +54,12 @@ run() {  # PHASE OVERRIDES...: one multirun into OUT/runs/PHASE
         "$@" "${OVERRIDES[@]}" || status=1
 }
 decide() {  # what the plan's rules make of the runs so far: lr_<arm>=..., extend_<arm>=..., seeds=...
-    python -m analysis.paper_shape "$OUT/runs" --decide ${FIXED_N:+--seeds $FIXED_N} || exit 1
+    python -m analysis.paper_shape "$OUT/runs" --decide $MIXED ${FIXED_N:+--seeds $FIXED_N} || exit 1
 }
 finish() {
     elapsed=$(( $(cat "$OUT/elapsed_s" 2>/dev/null || echo 0) + SECONDS - start ))
     mkdir -p "$OUT" && echo "$elapsed" > "$OUT/elapsed_s"
-    python -m analysis.paper_shape "$OUT/runs" --out "$OUT/report" --elapsed "$elapsed" --strict || status=1
+    python -m analysis.paper_shape "$OUT/runs" --out "$OUT/report" --elapsed "$elapsed" --strict $MIXED || status=1
     echo "paper_shape: $elapsed s of runs; report in $OUT/report/report.md"
     exit $status
 }
