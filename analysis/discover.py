@@ -2,7 +2,8 @@
 run directories (a Hydra multirun, `outputs/`), an offline W&B run folder, or `wandb:ENTITY/PROJECT`.
 
 A run directory's JSONL records are the source of truth: its `wandb/` folder is never read. An
-offline W&B folder is read only when it is named itself, or sits in a tree with no JSONL records."""
+offline W&B folder stands for the run directory it sits in (RUN_DIR/wandb/offline-run-*); one
+outside a run directory is refused, naming `wandb sync` and `wandb:ENTITY/PROJECT`."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +11,7 @@ import sys
 from pathlib import Path
 
 from .records import RecordError, Run, load_run_dir
-from .wandb_records import is_offline_folder, read_offline, read_project
+from .wandb_records import is_offline_folder, read_project
 
 WANDB_PREFIX = "wandb:"
 _SKIP = {"wandb", ".hydra", "__pycache__", ".git", ".venv"}
@@ -35,6 +36,16 @@ def _offline_folders(root: Path) -> list[Path]:
     if is_offline_folder(root):
         return [root]
     return sorted(p for p in root.rglob("*-run-*") if is_offline_folder(p))
+
+
+def _offline_run(folder: Path) -> Run:
+    """An offline W&B folder: the records of the run directory it belongs to (the same rows)."""
+    run_dir = folder.parent.parent
+    if folder.parent.name == "wandb" and _is_run_dir(run_dir):
+        return load_run_dir(run_dir)
+    raise RecordError(str(folder), "a W&B run folder outside an fldp run directory: reports read a run's "
+                                   "metrics.jsonl and summary.json, not W&B's log; upload it (`wandb sync "
+                                   "FOLDER`) and report `wandb:ENTITY/PROJECT`, or name its run directory")
 
 
 def collect(args: list[str]) -> tuple[list[Run], list[str]]:
@@ -62,7 +73,7 @@ def collect(args: list[str]) -> tuple[list[Run], list[str]]:
             problems.append(f"{arg}: no such directory")
             continue
         if is_offline_folder(root):
-            load(read_offline, root)
+            load(_offline_run, root)
             continue
         dirs = _walk(root, _is_run_dir)
         if dirs:
@@ -74,7 +85,7 @@ def collect(args: list[str]) -> tuple[list[Run], list[str]]:
             problems.append(f"{arg}: no run records (metrics.jsonl, summary.json, .hydra/ or a W&B "
                             f"offline run) in this directory")
         for folder in folders:
-            load(read_offline, folder)
+            load(_offline_run, folder)
     return runs, problems
 
 

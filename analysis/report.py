@@ -2,8 +2,9 @@
 perplexity figure (PNG, PDF), the headline ratios and the paper's findings, reproduced or not,
 from run records, beside the paper's published values; `report.md` gathers them.
 
-RUNS: run directories, directories holding them (a Hydra multirun), offline W&B run folders, or
-`wandb:ENTITY/PROJECT` (online, public API). Unusable runs are named and skipped."""
+RUNS: run directories, directories holding them (a Hydra multirun), offline W&B run folders (read
+as their run directory), or `wandb:ENTITY/PROJECT` (online, public API). Unusable runs are named
+and skipped."""
 from __future__ import annotations
 
 import datetime
@@ -197,7 +198,7 @@ def _report_md(report, paper, command, t3, md3, md4, ratio_md, findings_md, foun
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = reports_parser(invoked_as("analysis.report", "fldp-report"), __doc__).parse_args(argv)
+    args = reports_parser(invoked_as(__spec__.name if __spec__ else "analysis.report", "fldp-report"), __doc__).parse_args(argv)
     runs, problems = collect_for("analysis.report", args.runs, args.allow_mixed)
     if not runs:
         return 1

@@ -12,8 +12,9 @@
 # Run again with the same OUT, it skips the points that finished (trainer.skip_finished) and runs the
 # rest (the report's time is the sum over the invocations, kept in OUT/elapsed_s); add
 # trainer.resume=auto to continue a point that was killed midway.
-# Full: 5 seeds (frontier 2), 126 runs. --reduced (CI, 20 runs): seed 0 only, A = 16 only in the
-# frontier, lr 3e-2 only beside the shared 1e-2: it checks the pipeline, its numbers judge nothing. Needs root and iproute2 for netns_4x2 (as tiny_repro.sh).
+# Full: 5 seeds (frontier 2), 126 runs of 32 steps. --reduced (CI, 20 runs): 16 steps (2 aggregations
+# at A = 8; the controls scaled alike), seed 0 only, A = 16 only in the frontier, lr 3e-2 only beside
+# the shared 1e-2: it checks the pipeline, its numbers judge nothing. Needs root and iproute2 for netns_4x2 (as tiny_repro.sh).
 set -uo pipefail
 OUT=
 REDUCED=0
@@ -35,9 +36,9 @@ esac
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/science/$(date +%Y-%m-%d_%H-%M-%S)}
 if [ "$REDUCED" = 1 ]; then
-    SEEDS=0; FEW=0; FRONTIER_SEEDS=0; EVERY=16; LRS=3e-2
+    SEEDS=0; FEW=0; FRONTIER_SEEDS=0; EVERY=16; LRS=3e-2; STEPS=16; STEPS_ARG=(trainer.steps=$STEPS)
 else
-    SEEDS=0,1,2,3,4; FEW=$SEEDS; FRONTIER_SEEDS=0,1; EVERY=1,2,4,16; LRS=3e-3,3e-2
+    SEEDS=0,1,2,3,4; FEW=$SEEDS; FRONTIER_SEEDS=0,1; EVERY=1,2,4,16; LRS=3e-3,3e-2; STEPS=32; STEPS_ARG=()
 fi
 ALL=fsdp,hsdp,fl_fsdp,fl_hsdp
 start=$SECONDS
@@ -48,15 +49,15 @@ part() {
     echo "science: part $name ($((SECONDS - start)) s so far)"
     python -m fldp.train -m +experiment=science "hydra.sweep.dir=$OUT/runs/$name" "$@" || status=1
 }
-part tiny_repro topology=netns_4x2 algorithm=$ALL seed=$SEEDS "${OVERRIDES[@]}"
-part frontier topology=netns_4x2 algorithm=fl_fsdp,fl_hsdp algorithm.every=$EVERY seed=$FRONTIER_SEEDS "${OVERRIDES[@]}"
-part bf16 trainer.precision=bf16 algorithm=$ALL seed=$SEEDS "${OVERRIDES[@]}"
-part bf16_reduce_fp32 trainer.precision=bf16 algorithm=fl_fsdp,fl_hsdp algorithm.outer.reduce_dtype=fp32 seed=$FEW "${OVERRIDES[@]}"
-part lr optimizer.lr=$LRS algorithm=$ALL seed=$FEW "${OVERRIDES[@]}"
+part tiny_repro topology=netns_4x2 algorithm=$ALL seed=$SEEDS "${STEPS_ARG[@]}" "${OVERRIDES[@]}"
+part frontier topology=netns_4x2 algorithm=fl_fsdp,fl_hsdp algorithm.every=$EVERY seed=$FRONTIER_SEEDS "${STEPS_ARG[@]}" "${OVERRIDES[@]}"
+part bf16 trainer.precision=bf16 algorithm=$ALL seed=$SEEDS "${STEPS_ARG[@]}" "${OVERRIDES[@]}"
+part bf16_reduce_fp32 trainer.precision=bf16 algorithm=fl_fsdp,fl_hsdp algorithm.outer.reduce_dtype=fp32 seed=$FEW "${STEPS_ARG[@]}" "${OVERRIDES[@]}"
+part lr optimizer.lr=$LRS algorithm=$ALL seed=$FEW "${STEPS_ARG[@]}" "${OVERRIDES[@]}"
 # one FL+FSDP group: 2 ranks x 2 sequences; token-matched: x F = 4 steps. One FL+HSDP group: R = 2,
 # S = 2, 8 sequences; x F = 2 steps. (local_2's FSDP and local_4's HSDP layouts are exactly these.)
-part batch_fl_fsdp topology=local_2 algorithm=fsdp trainer.steps=32,128 seed=$FEW "${OVERRIDES[@]}"
-part batch_fl_hsdp topology=local_4 algorithm=hsdp trainer.steps=32,64 seed=$FEW "${OVERRIDES[@]}"
+part batch_fl_fsdp topology=local_2 algorithm=fsdp trainer.steps=$STEPS,$((STEPS * 4)) seed=$FEW "${OVERRIDES[@]}"
+part batch_fl_hsdp topology=local_4 algorithm=hsdp trainer.steps=$STEPS,$((STEPS * 2)) seed=$FEW "${OVERRIDES[@]}"
 # run time over every invocation into this OUT (a re-run adds the points it ran to the earlier ones)
 elapsed=$(( $(cat "$OUT/elapsed_s" 2>/dev/null || echo 0) + SECONDS - start ))
 mkdir -p "$OUT" && echo "$elapsed" > "$OUT/elapsed_s"

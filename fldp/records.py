@@ -108,6 +108,8 @@ class Recorder:
     def finish(self, summary: dict) -> None:
         if self.bar is not None:
             self.bar.close()
+        if self.wandb is not None:
+            summary = {**summary, "wandb": wandb_identity(self.wandb, self.run_dir)}
         path = self.run_dir / "summary.json"
         tmp = self.run_dir / "summary.json.tmp"
         with _writing(path):
@@ -118,7 +120,7 @@ class Recorder:
                 tmp.unlink(missing_ok=True)
         os.close(self.metrics)
         if self.wandb is not None:
-            self.wandb.summary.update(summary)
+            self.wandb.summary.update({k: v for k, v in summary.items() if k != "wandb"})
             self.wandb.finish()
 
 
@@ -156,6 +158,14 @@ def wandb_labels(cfg) -> dict:
 
 
 WANDB_NAME_MAX = 128   # W&B refuses longer project and artifact names, and reportedly run names
+
+
+def wandb_identity(run, run_dir: Path) -> dict:
+    """The W&B run these records went to, as W&B holds it (its public Run attributes): the id, path,
+    labels and the folder of an offline run (for `wandb sync`), relative to the run directory."""
+    return {"id": run.id, "path": run.path, "name": run.name, "group": run.group, "job_type": run.job_type,
+            "tags": sorted(run.tags), "mode": "offline" if run.offline else "online",
+            "folder": os.path.relpath(Path(run.dir).parent, run_dir)}
 
 
 def wandb_name(cfg, run_dir: Path) -> str:

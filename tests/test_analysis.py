@@ -1,6 +1,6 @@
 """`analysis/` on records of real short runs (4 algorithms x 2 seeds on local_2, one with an offline
 W&B run): every table cell against the records, seed aggregation, the figure files and lines, the
-LaTeX, the ratios and findings, broken runs named and skipped, and the W&B readers."""
+LaTeX, the ratios and findings, broken runs named and skipped, and the W&B sources."""
 import json
 import math
 import shutil
@@ -18,7 +18,7 @@ from analysis.discover import collect
 from analysis.records import RecordError, load_run_dir
 from analysis.report import build, main
 from analysis.stats import TOO_FEW
-from analysis.wandb_records import read_offline, read_project
+from analysis.wandb_records import read_project
 from conftest import ROOT, compose_cfg, read_rows, train_world
 from fldp.records import PHASES
 
@@ -317,19 +317,20 @@ def test_record_checks_name_the_run(sweep, tmp_path):
         load_run_dir(short)
 
 
-def test_offline_wandb_folder_reads_as_the_jsonl(sweep):
+def test_an_offline_wandb_folder_stands_for_its_run_directory(sweep, tmp_path):
     run_dir = sweep / "fl_fsdp_seed0"
     (folder,) = run_dir.glob("wandb/offline-run-*")
-    from_wandb, from_jsonl = read_offline(folder), load_run_dir(run_dir)
-    cols = ["step", "perplexity", "time_step", "time_aggregation", "aggregated"]
-    pd.testing.assert_frame_equal(from_wandb.steps[cols], from_jsonl.steps[cols], check_dtype=False)
-    assert from_wandb.summary["eval_perplexity"] == from_jsonl.summary["eval_perplexity"]
-    assert from_wandb.config["optimizer.lr"] == from_jsonl.config["optimizer.lr"]
     # the run directory itself is read from its JSONL, never from its wandb/ folder
     runs, _ = collect([str(run_dir)])
-    assert [r.source for r in runs] == ["jsonl"]
-    runs, _ = collect([str(run_dir / "wandb")])
-    assert [r.source for r in runs] == ["wandb-offline"]
+    assert [(r.source, r.name) for r in runs] == [("jsonl", str(run_dir))]
+    for named in (folder, run_dir / "wandb"):  # the folder, or a tree holding only it
+        runs, problems = collect([str(named)])
+        assert [(r.source, r.name) for r in runs] == [("jsonl", str(run_dir))] and not problems
+    # outside a run directory there are no records to stand for: refused, saying what to do
+    alone = tmp_path / "wandb" / folder.name
+    shutil.copytree(folder, alone)
+    runs, problems = collect([str(alone)])
+    assert not runs and len(problems) == 1 and "wandb sync" in problems[0] and "wandb:ENTITY/PROJECT" in problems[0]
 
 
 def test_online_project_through_the_public_api(sweep, monkeypatch):
