@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -142,12 +143,25 @@ def job_folder_of(cfg, run_dir: str) -> Path:
 
 
 def sbatch_script(params: dict, job_folder: Path) -> str:
-    """The script submitit would hand to sbatch (its own renderer, so the dry run shows what a
-    real submission sends)."""
-    from submitit.slurm.slurm import _make_sbatch_string
-
-    command = f"{sys.executable} -u -m submitit.core._submit {job_folder}"
-    return _make_sbatch_string(command=command, folder=job_folder, **params)
+    """The script submit_job() hands to sbatch for these parameters, written out for the dry run.
+    submitit has no public renderer, so it is rendered here the way submitit writes it (its log
+    paths, its 90 s warning signal, append mode, its wckey); tests/test_slurm.py compares it with the
+    script submitit really submitted for a job."""
+    log_file = str(job_folder / "%j_%t_log")  # submitit's per-task logs; sbatch's own are task 0's
+    options = {k: v for k, v in params.items() if k not in ("setup", "signal_delay_s", "additional_parameters")}
+    options.update(signal=f"USR2@{params.get('signal_delay_s', 90)}", output=log_file.replace("%t", "0") + ".out",
+                   error=log_file.replace("%t", "0") + ".err", open_mode="append", wckey="submitit")
+    options.update(params.get("additional_parameters") or {})
+    flags = sorted((key.replace("_", "-"), value) for key, value in options.items())
+    srun = ["srun", "--unbuffered", "--output", f"{log_file}.out", "--error", f"{log_file}.err"]
+    return "\n".join([
+        "#!/bin/bash", "", "# Parameters",
+        *(f"#SBATCH --{flag}" if value is True else f"#SBATCH --{flag}={shlex.quote(str(value))}"
+          for flag, value in flags),
+        *(["", "# setup", *params["setup"]] if params.get("setup") is not None else []),
+        "", "# command", "export SUBMITIT_EXECUTOR=slurm",
+        f"{shlex.join(srun)} {sys.executable} -u -m submitit.core._submit {job_folder}", "",
+    ])
 
 
 def planned_steps(cfg, world: int):

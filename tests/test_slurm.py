@@ -295,6 +295,17 @@ def test_fl_hsdp_2x4_through_the_sbatch_script_matches_a_local_run(two_by_four):
 
 
 @needs_slurm
+def test_the_dry_runs_script_is_the_one_submitted(two_by_four, token_cache):
+    """fldp renders the dry run's sbatch script itself (submitit's renderer is private): it must be
+    byte for byte the script submitit wrote and sbatch ran for the same run."""
+    (real,) = two_by_four["submitted"].glob("slurm/*/*_submission.sh")
+    cfg = compose_cfg(*RUN, f"dataset.cache_dir={token_cache}", "topology=slurm_2x4", "cluster=slurm", SHARED_TMP,
+                      "cluster.poll_s=1", "cluster.time_min=10")
+    params = slurm.job_parameters(cfg, mesh_shape(cfg))
+    assert slurm.sbatch_script(params, two_by_four["submitted"] / "slurm" / "%j") == real.read_text()
+
+
+@needs_slurm
 def test_sweep_over_a_and_f_through_hydra_submitit_launcher(tmp_path, idle_cluster):
     """sweep_a_f, shrunk to 2 nodes x 2 tasks (S=1, R = 4/F): A in {1, 2} x F in {2, 3, 4}. One
     SLURM job per point; F=3 does not divide the world and fails alone, the others each write
