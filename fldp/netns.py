@@ -9,7 +9,8 @@ through a full-duplex NIC and a switch.
 
 PREFIX = fldp-<launcher pid>-<its PID namespace's inode>-<its start time, clock ticks after boot>.
 Nothing is created in, or routed to, the root namespace: the namespaces hold only these links, so a
-worker can reach no address but its peers' and loopback. A launcher removes its namespaces when it
+worker can reach no address but its peers' and loopback. Each node namespace has a hosts file naming
+every node (/etc/netns/NS/hosts, where `ip netns exec` looks), removed with its namespace. A launcher removes its namespaces when it
 ends (success, failure, Ctrl-C, SIGTERM); what a SIGKILLed launcher left behind, the next launcher
 removes (`reap()`), but only where the name proves its launcher dead: a launcher of this PID
 namespace, whose pid runs no process started at that time. /run/netns may be shared with
@@ -17,6 +18,7 @@ containers of other PID namespaces, whose launchers' pids mean nothing here: the
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -31,7 +33,10 @@ IFACE = "fldp0"            # each node's interface, inside its namespace (names 
 SUBNET = "10.77.0"         # addresses exist only inside the run's namespaces
 PORT = 29500               # rendezvous port on rank 0's node: its namespace is new, so the port is free
 _CLONE_NEWNET = 0x40000000
+_CLONE_NEWNS = 0x00020000
+_MS_BIND, _MS_REC, _MS_SLAVE = 0x1000, 0x4000, 0x80000
 _RUN_DIR = "/run/netns"    # where `ip netns` keeps the namespaces' names
+_ETC_DIR = "/etc/netns"    # per-namespace files `ip netns exec` mounts over /etc (here: hosts)
 _NAME = re.compile(r"fldp-(\d+)-(\d+)-(\d+)-(n\d+|sw)$")  # launcher pid, PID namespace, start time
 log = logging.getLogger("fldp")
 _MTU = 9000                # jumbo frames, as on cluster fabrics: 0.7% header bytes instead of 4.6%
@@ -144,7 +149,11 @@ def namespaces() -> list[str]:
 
 
 def _delete(ns: str) -> bool:
-    """`ip netns delete`; False, with a warning naming the namespace and why, if it is still there."""
+    """`ip netns delete`, and its hosts file; False, with a warning naming the namespace and why, if
+    it is still there."""
+    shutil.rmtree(f"{_ETC_DIR}/{ns}", ignore_errors=True)
+    with contextlib.suppress(OSError):
+        os.rmdir(_ETC_DIR)  # when empty (ip-netns(8) needs none); left if anything else is in it
     done = _sh("ip", "netns", "delete", ns)
     if done.returncode == 0 or not os.path.lexists(f"{_RUN_DIR}/{ns}"):
         return True
@@ -217,9 +226,24 @@ class Network:
                 self._run("ip", "-n", self.switch, "link", "set", port, "master", "br0", "up")
                 self._shape(ns, IFACE)           # node -> switch (upload)
                 self._shape(self.switch, port)   # switch -> node (download)
+            self._write_hosts()
         except BaseException:
             self.destroy()
             raise
+
+    def _write_hosts(self) -> None:
+        """Every node's address and name, as each namespace's /etc/hosts (`ip netns exec` and
+        enter() mount it): c10d looks up the name of every peer that connects to its store, and
+        without one it warns once per connection."""
+        # each address also as IPv6-mapped: c10d's store listens on both families, so it sees IPv4
+        # peers as ::ffff:a.b.c.d
+        hosts = "127.0.0.1 localhost\n::1 localhost\n" + "".join(
+            f"{prefix}{self.address(k)} {self.namespace(k)} node{k}\n" for k in range(self.nodes)
+            for prefix in ("", "::ffff:"))
+        for k in range(self.nodes):
+            os.makedirs(f"{_ETC_DIR}/{self.namespace(k)}", exist_ok=True)
+            with open(f"{_ETC_DIR}/{self.namespace(k)}/hosts", "w") as f:
+                f.write(hosts)
 
     def _shape(self, ns: str, dev: str) -> None:
         """tbf caps the rate; netem, under it, adds the delay (both directions: one-way delay
@@ -252,6 +276,13 @@ class Network:
         finally:
             os.close(fd)
         os.environ["GLOO_SOCKET_IFNAME"] = IFACE
+        # the node's hosts file over /etc/hosts, in a mount namespace of this process alone (as `ip
+        # netns exec` does; nothing propagates back to the machine's mounts). Only names depend on it:
+        # if it fails, c10d warns about unnamed peers and the run goes on.
+        hosts = f"{_ETC_DIR}/{self.namespace(self.node_of(rank))}/hosts".encode()
+        if (libc.unshare(_CLONE_NEWNS) != 0 or libc.mount(b"none", b"/", None, _MS_REC | _MS_SLAVE, None) != 0
+                or libc.mount(hosts, b"/etc/hosts", None, _MS_BIND, None) != 0):
+            log.debug("emulated nodes: no hosts file for rank %d: %s", rank, os.strerror(ctypes.get_errno()))
 
     def describe(self) -> dict:
         return {"nodes": self.nodes, "procs_per_node": self.procs_per_node, "mbit_s": self.link.mbit_s,

@@ -7,10 +7,12 @@ import json
 import logging
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -111,6 +113,28 @@ def test_ranks_of_one_node_do_not_cross_the_link(at_two_rates):
     assert slow < 2 * fast + 0.05, at_two_rates
 
 
+@needs_netns
+def test_a_worker_resolves_every_node_by_name_and_the_machine_s_hosts_stay(tmp_path):
+    network = netns.Network(2, 1, netns.Link(100))
+    before = Path("/etc/hosts").read_text()
+    network.create()
+    try:
+        out = tmp_path / "names"
+        pid = os.fork()
+        if pid == 0:  # a worker, as run_local makes one
+            try:
+                network.enter(1)
+                out.write_text(" ".join(socket.gethostbyaddr(network.address(k))[0] for k in range(2)))
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        assert out.read_text() == f"{network.namespace(0)} {network.namespace(1)}"
+        assert Path("/etc/hosts").read_text() == before
+    finally:
+        assert network.destroy() == []
+    assert not list(Path("/etc/netns").glob(f"{network.prefix}-*"))
+
+
 def _fldp_namespaces(pid: int) -> list[str]:
     return [ns for ns in netns.namespaces() if ns.startswith(f"fldp-{pid}-")]
 
@@ -129,6 +153,9 @@ def test_fsdp_pays_the_link_every_step_fl_fsdp_only_when_it_aggregates(tmp_path)
         _, stderr = proc.communicate(timeout=200)
         assert proc.returncode == 0, stderr[-3000:]
         assert not _fldp_namespaces(proc.pid), "namespaces left behind"
+        assert not list(Path("/etc/netns").glob(f"fldp-{proc.pid}-*")), "hosts files left behind"
+        # every peer that connects to rank 0's store has a name (c10d warned once per rank without)
+        assert "hostname of the client socket cannot be retrieved" not in stderr, stderr[-3000:]
         rows[algorithm] = read_rows(run_dir)
         summaries[algorithm] = json.loads((run_dir / "summary.json").read_text())
     for s in summaries.values():
@@ -157,11 +184,13 @@ def test_a_sigkilled_launchers_namespaces_are_removed_by_the_next_start(tmp_path
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert _fldp_namespaces(proc.pid) == left  # SIGKILL runs no cleanup: the next start must
+    assert len(list(Path("/etc/netns").glob(f"fldp-{proc.pid}-*"))) == 2  # the nodes' hosts files
 
     out = cli("algorithm=fl_fsdp", "topology=netns_2x4", "trainer.steps=1", *FAST,
               f"hydra.run.dir={tmp_path / 'next'}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert not _fldp_namespaces(proc.pid), "the killed launcher's namespaces are still there"
+    assert not list(Path("/etc/netns").glob(f"fldp-{proc.pid}-*")), "its hosts files are still there"
     assert not [ns for ns in netns.namespaces() if netns.dead(ns)]
 
 
