@@ -327,11 +327,12 @@ def algorithms_by_layout() -> dict[str, object]:
 
 
 def paper_step_times() -> dict[str, float]:
-    """The paper's measured overall step times (Table 4), from analysis/paper_values.json."""
+    """The paper's measured overall step times (Table 4), from analysis/paper_values.json (data of
+    the package fldp.analysis, in the wheel as in an editable install)."""
     import json
     from importlib.resources import files
 
-    table4 = json.loads((files("analysis") / "paper_values.json").read_text())["table4"]
+    table4 = json.loads((files("fldp.analysis") / "paper_values.json").read_text())["table4"]
     overall = table4["columns"].index("overall")
     return {a: row[overall] for a, row in table4["mean"].items()}
 
