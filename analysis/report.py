@@ -198,7 +198,8 @@ def _report_md(report, paper, command, t3, md3, md4, ratio_md, findings_md, foun
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = reports_parser(invoked_as(__spec__.name if __spec__ else "analysis.report", "fldp-report"), __doc__).parse_args(argv)
+    module = __spec__.name if __spec__ else "analysis.report"  # or fldp.analysis.report, installed
+    args = reports_parser(invoked_as(module, "fldp-report"), __doc__).parse_args(argv)
     runs, problems = collect_for("analysis.report", args.runs, args.allow_mixed)
     if not runs:
         return 1

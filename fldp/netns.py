@@ -10,11 +10,12 @@ through a full-duplex NIC and a switch.
 PREFIX = fldp-<launcher pid>-<its PID namespace's inode>-<its start time, clock ticks after boot>.
 Nothing is created in, or routed to, the root namespace: the namespaces hold only these links, so a
 worker can reach no address but its peers' and loopback. Each node namespace has a hosts file naming
-every node (/etc/netns/NS/hosts, where `ip netns exec` looks), removed with its namespace. A launcher removes its namespaces when it
-ends (success, failure, Ctrl-C, SIGTERM); what a SIGKILLed launcher left behind, the next launcher
-removes (`reap()`), but only where the name proves its launcher dead: a launcher of this PID
-namespace, whose pid runs no process started at that time. /run/netns may be shared with
-containers of other PID namespaces, whose launchers' pids mean nothing here: theirs are left alone.
+every node (/etc/netns/NS/hosts, where `ip netns exec` looks), removed with its namespace. A
+launcher removes its namespaces when it ends (success, failure, Ctrl-C, SIGTERM); what a SIGKILLed
+launcher left behind, the next launcher removes (`reap()`), but only where the name proves its
+launcher dead: a launcher of this PID namespace, whose pid runs no process started at that time.
+/run/netns may be shared with containers of other PID namespaces, whose launchers' pids mean
+nothing here: theirs are left alone.
 """
 from __future__ import annotations
 

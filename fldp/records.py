@@ -108,19 +108,19 @@ class Recorder:
     def finish(self, summary: dict) -> None:
         if self.bar is not None:
             self.bar.close()
-        if self.wandb is not None:
-            summary = {**summary, "wandb": wandb_identity(self.wandb, self.run_dir)}
+        # summary.json also names the W&B run, which W&B's own summary does not need
+        record = summary if self.wandb is None else {**summary, "wandb": wandb_identity(self.wandb, self.run_dir)}
         path = self.run_dir / "summary.json"
         tmp = self.run_dir / "summary.json.tmp"
         with _writing(path):
             try:
-                tmp.write_text(json.dumps(summary, indent=2) + "\n")
+                tmp.write_text(json.dumps(record, indent=2) + "\n")
                 os.replace(tmp, path)  # present only once the run is complete
             finally:
                 tmp.unlink(missing_ok=True)
         os.close(self.metrics)
         if self.wandb is not None:
-            self.wandb.summary.update({k: v for k, v in summary.items() if k != "wandb"})
+            self.wandb.summary.update(summary)
             self.wandb.finish()
 
 
