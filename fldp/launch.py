@@ -35,7 +35,7 @@ class RankEnv:
 
 def from_environment() -> RankEnv | None:
     """The rank this process already is: torchrun's variables, or a task of a multi-task srun step
-    (a submitted fldp job, an sbatch script, a hydra-submitit-launcher job), whose rendezvous is
+    (a submitted fldp job, an sbatch script), whose rendezvous is
     MASTER_ADDR/MASTER_PORT if exported, else derived from the allocation. None when started by hand."""
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:

@@ -1,8 +1,10 @@
 """One experiment as ONE SLURM job: topology.nodes x topology.procs_per_node tasks, every task a
 rank. The job's shape comes from the topology and the cluster config (conf/cluster/slurm.yaml,
-leonardo.yaml); submission, and following the job to its end, go through submitit. Light to
-import (its resolvers build the hydra/launcher=fldp_slurm config): checkpoint and preflight, which
-import torch, are imported where they are used.
+leonardo.yaml); submission, and following the job to its end, go through submitit. Every SLURM run
+takes this one path: a single run, and each point of a multirun (Hydra's own launcher calls the
+run once per point; with cluster.wait the points' jobs are followed together once all are
+submitted), so finished points are skipped and a time-limited job requeues alike. Light to import:
+checkpoint and preflight, which import torch, are imported where they are used.
 
 Inside the job, fldp.launch.from_environment turns the srun task's SLURM variables into the
 torch.distributed world, with the rendezvous from `fldp.launch.rendezvous()`."""
@@ -97,11 +99,6 @@ def extra_sbatch(sbatch, exclusive) -> dict:
     if exclusive:
         extra["exclusive"] = True
     return extra
-
-
-# The hydra-submitit-launcher config (conf/hydra/launcher/fldp_slurm.yaml) builds the same job.
-OmegaConf.register_new_resolver("fldp_job_setup", job_setup, replace=True)
-OmegaConf.register_new_resolver("fldp_extra_sbatch", extra_sbatch, replace=True)
 
 
 def _unless_from_env(value, variable: str):
@@ -208,10 +205,11 @@ def describe(cfg, shape: MeshShape, params: dict) -> str:
 
 # --- submission -------------------------------------------------------------------------------
 
-def submit(cfg, run_dir: str, shape: MeshShape, run) -> dict | None:
+def submit(cfg, run_dir: str, shape: MeshShape, run, sweep_point: bool = False) -> dict | None:
     """Submit the run as one job whose every task calls run(cfg, run_dir) (run_rank). With
     cluster.wait, follow it and return rank 0's summary, or raise WorkerError with the first failing
-    rank's error; otherwise return once it is queued."""
+    rank's error; a sweep point's job is followed later, with the sweep's others (follow_submitted).
+    Without cluster.wait, return once it is queued."""
     from . import preflight
 
     params = job_parameters(cfg, shape)
@@ -224,6 +222,9 @@ def submit(cfg, run_dir: str, shape: MeshShape, run) -> dict | None:
     if found := [*preflight.no_slurm(cfg), *found]:
         raise ConfigError(f"nothing submitted; {preflight.report(found)}")
     job = submit_job(cfg, run_dir, shape, functools.partial(run_rank, run=run))
+    if cfg.cluster.wait and sweep_point:
+        _submitted.append((job, run_dir, cfg.cluster.poll_s))
+        return None
     if not cfg.cluster.wait:
         print(f"fldp: submitted SLURM job {job.job_id} ({shape.world} ranks on {cfg.topology.nodes} nodes); "
               f"records in {run_dir}; follow with `squeue -j {job.job_id}`, cancel with `scancel {job.job_id}`",
@@ -234,6 +235,50 @@ def submit(cfg, run_dir: str, shape: MeshShape, run) -> dict | None:
     except KeyboardInterrupt:
         log.warning("stopped following job %s; it keeps running (scancel %s to stop it)", job.job_id, job.job_id)
         raise
+
+
+# The jobs of a multirun's points (cluster.wait=true), followed once the last point is submitted:
+# SLURM runs them side by side, where following each before submitting the next would queue them
+# one after another.
+_submitted: list = []  # (submitit Job, run_dir, poll_s)
+
+
+def follow_submitted(wait: bool = True) -> int:
+    """Follow the sweep's submitted jobs to their ends, reporting each; the number that failed.
+    Ctrl-C stops the following, not the jobs; wait=False (the sweep was stopped) only names them."""
+    pending = _submitted[:]
+    _submitted.clear()
+    if not pending:
+        return 0
+    ids = " ".join(str(job.job_id) for job, _, _ in pending)
+    if not wait:
+        print(f"fldp: the sweep's SLURM jobs keep running (scancel {ids} to stop them)", file=sys.stderr, flush=True)
+        return 0
+    _detach_file_logs()
+    print(f"fldp: following the sweep's {len(pending)} SLURM jobs: {ids}", file=sys.stderr, flush=True)
+    failed = 0
+    for i, (job, run_dir, poll_s) in enumerate(pending):
+        try:
+            summary = follow(job, run_dir, poll_s)
+            print(f"fldp: SLURM job {job.job_id} finished: {run_dir}: eval perplexity "
+                  f"{summary['eval_perplexity']:.2f}", file=sys.stderr, flush=True)
+        except WorkerError as e:
+            failed += 1
+            print(f"fldp: sweep point {run_dir} failed: {e}", file=sys.stderr, flush=True)
+        except KeyboardInterrupt:
+            left = " ".join(str(j.job_id) for j, _, _ in pending[i:])
+            print(f"fldp: stopped following; the jobs keep running (scancel {left} to stop them)",
+                  file=sys.stderr, flush=True)
+            raise
+    return failed
+
+
+def _detach_file_logs() -> None:
+    """Hydra's log file handler is the last point's train.log: what follows concerns every point."""
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if isinstance(h, logging.FileHandler)]:
+        root.removeHandler(handler)
+        handler.close()
 
 
 def submit_job(cfg, run_dir: str, shape: MeshShape, fn):

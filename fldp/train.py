@@ -25,7 +25,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from . import CONF, netns, schema, slurm, sweep  # slurm: its resolvers build hydra/launcher=fldp_slurm
+from . import CONF, netns, schema, slurm, sweep
 from .errors import ConfigError, Interrupted, WorkerError, WriteError
 from .mesh import mesh_shape
 from .provenance import record_command
@@ -134,7 +134,7 @@ def _rank(cfg, run_dir, blocks, device):
     train(cfg, run_dir, blocks, device)
 
 
-def run(cfg: DictConfig, run_dir: str) -> dict | None:
+def run(cfg: DictConfig, run_dir: str, sweep_point: bool = False) -> dict | None:
     import torch.distributed as dist
 
     from . import launch
@@ -158,7 +158,7 @@ def run(cfg: DictConfig, run_dir: str) -> dict | None:
         check_run_dir(cfg, shape, run_dir)
         # fldp.train.run by reference: under `python -m fldp.train` this module is __main__, whose
         # functions cloudpickle would copy by value into the job
-        return slurm.submit(cfg, run_dir, shape, importlib.import_module("fldp.train").run)
+        return slurm.submit(cfg, run_dir, shape, importlib.import_module("fldp.train").run, sweep_point)
     if env is None:
         check_run_dir(cfg, shape, run_dir)
         blocks = prepare(cfg.dataset)
@@ -233,7 +233,7 @@ def main(cfg: DictConfig) -> dict | None:
         return None
     name_the_sweep(cfg)
     try:
-        summary = run(cfg, run_dir)
+        summary = run(cfg, run_dir, sweep_point=multirun)
     except Interrupted as e:  # also in a sweep: Ctrl-C stops the sweep, not only this point
         print(f"fldp: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
@@ -292,7 +292,13 @@ def cli() -> None:
         except ConfigError as e:
             print(f"fldp: config error: {e}", file=sys.stderr)
             sys.exit(2)
-    main()
+    try:
+        main()
+    except SystemExit as e:  # a sweep ended by a failed point: the points it submitted run on
+        slurm.follow_submitted(wait=e.code not in (128 + signal.SIGINT, 128 + signal.SIGTERM))
+        raise
+    if slurm.follow_submitted():
+        sys.exit(1)
 
 
 def launched() -> bool:
@@ -317,6 +323,11 @@ def precheck(overrides: list[str], multirun: bool) -> None:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException as e:
         raise ConfigError(str(e)) from None
+    for o in parsed:
+        if o.key_or_group == "hydra/launcher" and str(o.value()).startswith(("submitit", "fldp_slurm")):
+            raise ConfigError(f"{o.input_line}: SLURM runs take one path, cluster=slurm (or a site's cluster "
+                              "config), also for a multirun: `-m cluster=slurm ...` submits each point as its own "
+                              "job, skips finished points and requeues at the time limit (docs/slurm.md)")
     points = [overrides]
     if multirun:
         try:

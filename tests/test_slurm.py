@@ -3,10 +3,12 @@ n1 and n2), which .ci/run starts before the tests and stops after them. Without 
 that submit are skipped, saying how to start it; with FLDP_REQUIRE_SLURM=1 (CI) they fail instead.
 
 Covered: a run submitted through cluster=slurm and one through slurm/generic.sbatch write the same
-records as the same run on local processes; a sweep over A and F through hydra-submitit-launcher
-gives one job and one record per valid point, the invalid points failing alone; a rank that raises
-or a cancelled job is reported as failed, with its error, in bounded time; the leonardo cluster's
-dry run renders the paper's 128-node, 512-task jobs; without SLURM a SLURM run fails at once."""
+records as the same run on local processes; a sweep (-m cluster=slurm) submits one job per point
+the way a single run is submitted: a finished point is not submitted, a point past its time limit
+requeues and ends as an uninterrupted run, all points are submitted before any is followed, and a
+failing point is reported with its cause while the others finish; a rank that raises or a
+cancelled job is reported as failed, with its error, in bounded time; the leonardo cluster's dry
+run renders the paper's 128-node, 512-task jobs; without SLURM a SLURM run fails at once."""
 from __future__ import annotations
 
 import json
@@ -20,11 +22,13 @@ from pathlib import Path
 
 import cloudpickle
 import pytest
+from omegaconf import OmegaConf
 
 from conftest import QUICK, ROOT, cli, compose_cfg, read_rows, train_world
 from fldp import launch, slurm
 from fldp.launch import WorkerError
 from fldp.mesh import ConfigError, mesh_shape
+from fldp.sweep import point_dirname
 
 
 def _slurm_up() -> bool:
@@ -217,6 +221,15 @@ def test_without_slurm_a_slurm_run_fails_at_once(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.parametrize("launcher", ["fldp_slurm", "submitit_slurm"])
+def test_a_sweep_launcher_for_slurm_is_refused_naming_the_one_path(tmp_path, launcher):
+    out = cli("-m", f"hydra/launcher={launcher}", "cluster=slurm", "seed=1,2", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+              cwd=tmp_path, timeout=60)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"fldp: config error: hydra/launcher={launcher}: SLURM runs take one path, cluster=slurm" in out.stderr
+    assert not (tmp_path / "sweep").exists()
+
+
 def test_local_sweep_an_invalid_point_fails_alone(tmp_path):
     """Hydra's basic launcher, one point after another: F=3 cannot fit 2 ranks and fails, logged
     as it fails; F=2 still runs; the sweep exits non-zero at the end."""
@@ -305,37 +318,6 @@ def test_the_dry_runs_script_is_the_one_submitted(two_by_four, token_cache):
     assert slurm.sbatch_script(params, two_by_four["submitted"] / "slurm" / "%j") == real.read_text()
 
 
-@needs_slurm
-def test_sweep_over_a_and_f_through_hydra_submitit_launcher(tmp_path, idle_cluster):
-    """sweep_a_f, shrunk to 2 nodes x 2 tasks (S=1, R = 4/F): A in {1, 2} x F in {2, 3, 4}. One
-    SLURM job per point; F=3 does not divide the world and fails alone, the others each write
-    their records."""
-    start = time.monotonic()
-    try:
-        # cluster.time_min: SLURM itself ends a point that hangs, well inside the test's limit
-        out = cli("-m", "+experiment=sweep_a_f", "hydra/launcher=fldp_slurm", "cluster=slurm",
-                  "topology=slurm_2x4", "topology.procs_per_node=2", "model=tiny_llama", "dataset=diodati_1649",
-                  "trainer.precision=fp32", "trainer.steps=2", "mesh.shard=1", "algorithm.every=1,2",
-                  "mesh.federation=2,3,4", "hydra.launcher.array_parallelism=3", "cluster.time_min=5",
-                  "cluster.timeout_s=120", *QUICK, f"hydra.sweep.dir={tmp_path}", cwd=tmp_path, timeout=480)
-    finally:
-        cancel_jobs_from(tmp_path)
-    elapsed = time.monotonic() - start
-    context = f"after {elapsed:.0f} s; end of the output:\n{(out.stdout + out.stderr)[-4000:]}\n{cluster_report()}"
-    assert out.returncode != 0, context  # the F=3 points failed ...
-    assert "mesh.federation x mesh.replicate x mesh.shard = 3x1x1 = 3 ranks, but topology=slurm_2x4 has 4" \
-        in out.stderr, context
-    points = {}
-    for path in tmp_path.glob("*/summary.json"):  # ... and every other point ran
-        s = json.loads(path.read_text())
-        points[(s["every"], s["federation"])] = (s["replicate"], s["shard"], s["world_size"])
-        assert [r["aggregated"] for r in read_rows(path.parent)] == ([True, True] if s["every"] == 1 else [False, True])
-    assert points == {(1, 2): (2, 1, 4), (2, 2): (2, 1, 4), (1, 4): (1, 1, 4), (2, 4): (1, 1, 4)}, context
-    jobs = {p.name for p in (tmp_path / ".submitit").iterdir() if re.fullmatch(r"\d+_\d+", p.name)}
-    assert len(jobs) == 6, jobs  # one SLURM (array) job per point
-    print(f"sweep of 6 points: {elapsed:.0f} s")
-
-
 def _fail_on_rank_2(cfg, run_dir):
     """Rank 2 raises while its peers are busy for 10 minutes in something that does not notice
     (a long computation, a collective of another group): they write no result of their own."""
@@ -408,21 +390,32 @@ def test_a_cancelled_job_is_reported_failed(tmp_path, idle_cluster):
 
 
 @needs_slurm
-def test_a_failing_run_submitted_from_the_command_line_reports_the_cause(tmp_path, idle_cluster, token_cache):
-    """A vocabulary too small for the tokenizer, which passes the pre-flight and is found by the
-    ranks inside the job; the run exits 1 with the first failing rank's error, and no rank waits."""
+def test_a_sweeps_points_are_all_submitted_then_followed_and_a_failing_one_reports_its_cause(
+        tmp_path, idle_cluster, token_cache):
+    """Two points (-m cluster=slurm): a vocabulary too small for the tokenizer, which passes the
+    pre-flight and is found by the ranks inside the job, and a good one. Both are submitted before
+    either is followed; the sweep exits 1 with the failing point's first rank's error, no rank
+    waits, and the good point finishes with its records."""
     start = time.monotonic()
     try:
-        out = cli("cluster=slurm", "topology=slurm_2x4", "topology.procs_per_node=2", "mesh.replicate=1",
-                  "cluster.poll_s=1", "model.vocab_size=1000", f"dataset.cache_dir={token_cache}", SHARED_TMP,
-                  *QUICK, f"hydra.run.dir={tmp_path}", cwd=tmp_path, timeout=400)
+        out = subprocess.run(  # one stream, so the order of what it says is the order it happened in
+            [sys.executable, "-m", "fldp.train", "-m", "cluster=slurm", "topology=slurm_2x4", "topology.procs_per_node=2",
+             "mesh.replicate=1", "cluster.poll_s=1", "model.vocab_size=1000,null", "trainer.steps=2",
+             f"dataset.cache_dir={token_cache}", SHARED_TMP, *QUICK, f"hydra.sweep.dir={tmp_path}"],
+            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=400)
     finally:
         cancel_jobs_from(tmp_path)
-    assert out.returncode == 1, out.stderr[-3000:]
-    assert "fldp: run failed: SLURM job" in out.stderr and re.search(r"rank \d+ failed first", out.stderr)
-    assert "has 4096 tokens but model.vocab_size=1000" in out.stderr
+    output = out.stdout
+    assert out.returncode == 1, output[-3000:]
+    submitted = [m.start() for m in re.finditer(r"submitted SLURM job \d+", output)]
+    following = output.index("following the sweep's 2 SLURM jobs")
+    assert len(submitted) == 2 and max(submitted) < following, output[-3000:]
+    assert re.search(r"sweep point \S*model.vocab_size=1000\S* failed: SLURM job \d+: rank \d+ failed first", output)
+    assert "has 4096 tokens but model.vocab_size=1000" in output
+    assert re.search(r"SLURM job \d+ finished: \S*model.vocab_size=null\S*: eval perplexity", output), output[-3000:]
+    (done,) = tmp_path.glob("*/summary.json")
+    assert "model.vocab_size=null" in done.parent.name
     assert time.monotonic() - start < 300
-    assert not (tmp_path / "summary.json").exists()
 
 
 @needs_slurm
@@ -436,29 +429,36 @@ def test_sbatch_refuses_an_impossible_job_at_once(tmp_path, idle_cluster):
 
 @needs_slurm
 @pytest.mark.timeout(900)
-def test_a_job_past_its_time_limit_requeues_and_ends_as_an_uninterrupted_run(tmp_path, idle_cluster, token_cache):
-    """A 1-minute time limit, warned 10 s before it: the job stops mid-run with a checkpoint,
-    requeues itself, resumes in the same run directory (maybe more than once), and its records
-    equal an uninterrupted local run's. SLURM holds a requeued job for ~2 min (BeginTime); the test
-    lets it start at once, as an idle site's queue would. The job's FedAvg sleeps as over a slow
-    link (comm.emulate: ~0.25 s each, 150 of them), so it trains for >= ~40 s however fast the
-    machine (600 steps alone took 15 s on an idle 2-core machine: done before the warning); the
-    sleeps change no record, so the uninterrupted local run does without them. SLURM sends the
-    warning at its first periodic check (every 30 s) within signal_s + 30 s of the limit: with
-    signal_s=30 and a 1-minute limit that can be the job's first second, before Python has a
-    handler (measured: the tasks died of SIGUSR2 1 s in); with 10, it comes 20-50 s in."""
+def test_a_sweep_skips_its_finished_point_and_its_point_past_the_time_limit_requeues(tmp_path, idle_cluster, token_cache):
+    """A sweep over two seeds through cluster=slurm, the one path of every SLURM run. Seed 0 has
+    finished before (its records from a local run): nothing is submitted for it. Seed 1 has a
+    1-minute time limit, warned 10 s before it: its job stops mid-run with a checkpoint, requeues
+    itself, resumes in the same run directory (maybe more than once), and its records equal an
+    uninterrupted local run's. SLURM holds a requeued job for ~2 min (BeginTime); the test lets it
+    start at once, as an idle site's queue would. The job's FedAvg sleeps as over a slow link
+    (comm.emulate: ~0.25 s each, 150 of them), so it trains for >= ~40 s however fast the machine
+    (600 steps alone took 15 s on an idle 2-core machine: done before the warning); the sleeps
+    change no record, so the uninterrupted local run does without them. SLURM sends the warning at
+    its first periodic check (every 30 s) within signal_s + 30 s of the limit: with signal_s=30 and
+    a 1-minute limit that can be the job's first second, before Python has a handler (measured: the
+    tasks died of SIGUSR2 1 s in); with 10, it comes 20-50 s in."""
     run = ["algorithm=fl_fsdp", "trainer.steps=600", "algorithm.every=4", *QUICK, f"dataset.cache_dir={token_cache}"]
     # one rank per node: the node tier holds 1 rank, FedAvg crosses the inter-node one
     slow = ["comm.emulate=true", "comm.scale=4e-4",
             "topology.network=[{tier:node,ranks:1,gbit_s:800},{tier:inter-node,ranks:2,gbit_s:200}]"]
-    local, submitted = tmp_path / "local", tmp_path / "submitted"
-    train_world(compose_cfg(*run, "topology=local_2"), local)  # fl_fsdp 2x1x1, uninterrupted
+    point = [*run, "cluster=slurm", "topology=slurm_2x4", "topology.procs_per_node=1", "mesh.federation=2",
+             "mesh.replicate=1", "mesh.shard=1", "cluster.time_min=1", "cluster.signal_s=10", "cluster.max_requeue=8",
+             "cluster.poll_s=1", *slow, SHARED_TMP]
+    sweep_dir, local = tmp_path / "sweep", tmp_path / "local"
+    excluded = OmegaConf.load(ROOT / "conf" / "config.yaml").hydra.job.config.override_dirname.exclude_keys
+    finished, requeued = (sweep_dir / point_dirname([*point, f"seed={s}"], excluded) for s in (0, 1))
+    train_world(compose_cfg(*run, "topology=local_2", "seed=0"), finished)  # fl_fsdp 2x1x1, done before
+    records = [finished / "metrics.jsonl", finished / "summary.json"]
+    before = [p.stat().st_mtime_ns for p in records]
+    train_world(compose_cfg(*run, "topology=local_2", "seed=1"), local)  # uninterrupted
     start = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fldp.train", *run, "cluster=slurm", "topology=slurm_2x4", "topology.procs_per_node=1",
-         "mesh.federation=2", "mesh.replicate=1", "mesh.shard=1", "cluster.time_min=1", "cluster.signal_s=10",
-         "cluster.max_requeue=8", "cluster.poll_s=1", *slow, SHARED_TMP, f"hydra.run.dir={submitted}"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "fldp.train", "-m", *point, "seed=0,1", f"hydra.sweep.dir={sweep_dir}"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         while proc.poll() is None:
             assert time.monotonic() - start < 800, "the job did not end"
@@ -472,14 +472,16 @@ def test_a_job_past_its_time_limit_requeues_and_ends_as_an_uninterrupted_run(tmp
         proc.kill()
         cancel_jobs_from(tmp_path)
     assert proc.returncode == 0, output[-4000:] + cluster_report()
-    job = re.search(r"submitted SLURM job (\d+)", output).group(1)
+    assert f"skipped: {finished} already finished" in output, output[-4000:]
+    assert [p.stat().st_mtime_ns for p in records] == before and not (finished / "slurm").exists()  # no job
+    (job,) = re.findall(r"submitted SLURM job (\d+)", output)
     restarts = int(re.search(r"Restarts=(\d+)", subprocess.run(["scontrol", "show", "job", job], capture_output=True,
                                                                 text=True).stdout).group(1))
     assert restarts >= 1, "the job ended within its first time limit: make the run longer"
-    logs = "".join(p.read_text() for p in (submitted / "slurm").rglob("*_0_log.err"))
+    logs = "".join(p.read_text() for p in (requeued / "slurm").rglob("*_0_log.err"))
     assert len(re.findall(r"checkpoint after step \d+, requeued", logs)) == restarts, logs[-3000:]
-    same_records(submitted, local)
-    print(f"time-limited job: {restarts} requeues, {time.monotonic() - start:.0f} s")
+    same_records(requeued, local)
+    print(f"time-limited sweep point: {restarts} requeues, {time.monotonic() - start:.0f} s")
 
 
 def test_gpu_topology_needs_one_gpu_per_rank():
