@@ -135,8 +135,20 @@ def job_parameters(cfg, shape: MeshShape) -> dict:
 
 
 def job_folder_of(cfg, run_dir: str) -> Path:
-    """submitit's folder: pickles and per-task logs, one subfolder per job id."""
-    return Path(cfg.cluster.folder or Path(run_dir) / "slurm").absolute() / "%j"
+    """submitit's folder: pickles and per-task logs, one subfolder per job id; RUN_DIR/slurm/ unless
+    cluster.folder says otherwise. sbatch reads '%' in its log paths as a file-name pattern and drops
+    it, so a log in a run directory whose path holds one (a sweep point named by a value with a
+    '/', escaped '%2F') could not be opened and the job would fail at launch: such a run's jobs go
+    to slurm-jobs/ in the nearest directory above it without a '%' (the sweep's), apart by job id."""
+    if cfg.cluster.folder:
+        if "%" in str(cfg.cluster.folder):
+            raise ConfigError(f"cluster.folder={cfg.cluster.folder}: sbatch reads '%' in a log path as a "
+                              "file-name pattern; choose a folder without one")
+        return Path(cfg.cluster.folder).absolute() / "%j"
+    run = Path(run_dir).absolute()
+    if "%" not in str(run):
+        return run / "slurm" / "%j"
+    return next(p for p in run.parents if "%" not in str(p)) / "slurm-jobs" / "%j"
 
 
 def sbatch_script(params: dict, job_folder: Path) -> str:

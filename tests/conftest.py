@@ -106,6 +106,9 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(TEST_LIMIT_S, method="signal"))
+    # The SLURM tests first: they mostly wait on the scheduler, so one pytest-xdist worker takes them
+    # (a whole file, in order) while the other computes (pyproject.toml: --no-loadscope-reorder)
+    items.sort(key=lambda item: item.path.name != "test_slurm.py")
 
 
 @pytest.fixture(scope="session")

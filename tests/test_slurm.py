@@ -230,6 +230,18 @@ def test_a_sweep_launcher_for_slurm_is_refused_naming_the_one_path(tmp_path, lau
     assert not (tmp_path / "sweep").exists()
 
 
+def test_a_run_directory_with_a_percent_sign_keeps_it_out_of_sbatchs_log_paths(tmp_path):
+    """sbatch drops a '%' it cannot read as a pattern ('%2F' -> '2F'), so a job logging into such a
+    directory failed at launch (JobLaunchFailure: "Could not open stdout file"); sweep points named
+    by a value with '/' hold '%2F'."""
+    cfg = compose_cfg("cluster=slurm")
+    point = tmp_path / "sweep" / "dataset.cache_dir=%2Fwork%2Fcache,seed=1"
+    assert slurm.job_folder_of(cfg, str(tmp_path / "run")) == tmp_path / "run" / "slurm" / "%j"
+    assert slurm.job_folder_of(cfg, str(point)) == tmp_path / "sweep" / "slurm-jobs" / "%j"
+    with pytest.raises(ConfigError, match="cluster.folder=/work/100%: sbatch reads '%'"):
+        slurm.job_folder_of(compose_cfg("cluster=slurm", "cluster.folder=/work/100%"), str(point))
+
+
 def test_local_sweep_an_invalid_point_fails_alone(tmp_path):
     """Hydra's basic launcher, one point after another: F=3 cannot fit 2 ranks and fails, logged
     as it fails; F=2 still runs; the sweep exits non-zero at the end."""
@@ -444,7 +456,8 @@ def test_a_sweep_skips_its_finished_point_and_its_point_past_the_time_limit_requ
     tasks died of SIGUSR2 1 s in); with 10, it comes 20-50 s in."""
     run = ["algorithm=fl_fsdp", "trainer.steps=600", "algorithm.every=4", *QUICK, f"dataset.cache_dir={token_cache}"]
     # one rank per node: the node tier holds 1 rank, FedAvg crosses the inter-node one
-    slow = ["comm.emulate=true", "comm.scale=4e-4",
+    # spelled as Hydra writes a sweep point's overrides (True, 0.0004), which name its directory
+    slow = ["comm.emulate=True", "comm.scale=0.0004",
             "topology.network=[{tier:node,ranks:1,gbit_s:800},{tier:inter-node,ranks:2,gbit_s:200}]"]
     point = [*run, "cluster=slurm", "topology=slurm_2x4", "topology.procs_per_node=1", "mesh.federation=2",
              "mesh.replicate=1", "mesh.shard=1", "cluster.time_min=1", "cluster.signal_s=10", "cluster.max_requeue=8",
@@ -473,12 +486,12 @@ def test_a_sweep_skips_its_finished_point_and_its_point_past_the_time_limit_requ
         cancel_jobs_from(tmp_path)
     assert proc.returncode == 0, output[-4000:] + cluster_report()
     assert f"skipped: {finished} already finished" in output, output[-4000:]
-    assert [p.stat().st_mtime_ns for p in records] == before and not (finished / "slurm").exists()  # no job
+    assert [p.stat().st_mtime_ns for p in records] == before
     (job,) = re.findall(r"submitted SLURM job (\d+)", output)
     restarts = int(re.search(r"Restarts=(\d+)", subprocess.run(["scontrol", "show", "job", job], capture_output=True,
                                                                 text=True).stdout).group(1))
     assert restarts >= 1, "the job ended within its first time limit: make the run longer"
-    logs = "".join(p.read_text() for p in (requeued / "slurm").rglob("*_0_log.err"))
+    logs = "".join(p.read_text() for p in sweep_dir.rglob(f"{job}_0_log.err"))  # in slurm-jobs/: '%2F' in the name
     assert len(re.findall(r"checkpoint after step \d+, requeued", logs)) == restarts, logs[-3000:]
     same_records(requeued, local)
     print(f"time-limited sweep point: {restarts} requeues, {time.monotonic() - start:.0f} s")
