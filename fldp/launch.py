@@ -8,6 +8,7 @@ import re
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -153,6 +154,7 @@ def run_local(fn, args: tuple, world: int, device_type: str, cluster_cfg, networ
     else:
         addr = cluster_cfg.master_addr
         port = cluster_cfg.master_port or free_port(addr)
+    stop_tqdm_monitors()
     ctx = mp.get_context("fork")
     errors = ctx.SimpleQueue()
     procs = [ctx.Process(target=_local_worker, name=f"fldp-rank{i}", args=(
@@ -187,6 +189,21 @@ def run_local(fn, args: tuple, world: int, device_type: str, cluster_cfg, networ
         others = f"\n({len(failures) - 1} other ranks failed after it)" if len(failures) > 1 else ""
         raise WorkerError(f"rank {rank}: {report}{others}" if plain
                           else f"rank {rank} failed first:\n{report}{others}")
+
+
+def stop_tqdm_monitors() -> None:
+    """Stop tqdm's monitor threads in this process, and start none again. Every 10 s a monitor
+    takes tqdm's lock; a worker forked while it holds it inherits the lock held, by a thread the
+    worker does not have, and blocks forever on its first progress bar (rank 0's). This process
+    starts one whenever it shows a bar before forking (the datasets library's, tokenising), so
+    rarely, and more often on a loaded machine, the run hung: seen as a test stuck 600 s."""
+    from tqdm import tqdm
+    from tqdm._monitor import TMonitor
+
+    tqdm.monitor_interval = 0  # read by every tqdm subclass (datasets', huggingface_hub's) as it starts one
+    for thread in threading.enumerate():
+        if isinstance(thread, TMonitor):
+            thread.exit()  # wakes it and joins it: it no longer holds the lock
 
 
 _GRACE_S = 1.0

@@ -122,6 +122,41 @@ def test_a_failing_worker_ends_the_whole_run(tmp_path):
     assert not children, f"worker processes left behind: {children}"
 
 
+def _progress_bar(device):
+    from tqdm import tqdm
+
+    tqdm(total=1, disable=True).close()  # takes tqdm's lock, as rank 0's progress bar does
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_forked_while_tqdms_monitor_holds_its_lock_still_starts(monkeypatch):
+    """tqdm's monitor thread takes tqdm's lock every 10 s. Here one holds it for 3 s just as the
+    launcher forks: a worker that inherits the lock held (by a thread it does not have) would block
+    on its first progress bar until the test's limit; the launcher stops the monitor first."""
+    import threading
+
+    from tqdm import tqdm
+    from tqdm._monitor import TMonitor
+
+    holding = threading.Event()
+
+    def run(self):  # a monitor caught inside its periodic check
+        with self.tqdm_cls.get_lock():
+            holding.set()
+            self.was_killed.wait(3)
+
+    monkeypatch.setattr(TMonitor, "run", run)
+    monkeypatch.setattr(tqdm, "monitor_interval", 10)
+    monitor = TMonitor(tqdm, 10)
+    try:
+        assert holding.wait(10)
+        start = time.monotonic()
+        run_world(_progress_bar, 2, timeout_s=60)  # with the lock inherited held: stuck until the test's limit
+        assert time.monotonic() - start < 30 and not monitor.is_alive()
+    finally:
+        monitor.exit()
+
+
 def _parent(pid: str) -> int | None:
     try:
         with open(f"/proc/{pid}/stat") as f:
