@@ -146,12 +146,17 @@ class FedAvg:
     """Averages local parameter shards across the federation dimension of `mesh`, then (with an
     outer optimiser) steps the anchor with the pseudo-gradient."""
 
-    def __init__(self, model, mesh, shape: MeshShape, config: FedAvgConfig, last_step: int, resident: bool = True):
+    def __init__(self, model, mesh, shape: MeshShape, config: FedAvgConfig, last_step: int, resident: bool = True,
+                 elastic=None):
+        """elastic: a fldp.elastic.Federation, when the groups are torchft replica groups (each its
+        own world, `mesh` its own); the aggregation then runs over the groups alive."""
         self.config, self.shape, self.last_step, self.model = config, shape, last_step, model
+        self.elastic = elastic
+        self.participants = shape.federation  # the groups in the last aggregation
         named = list(model.named_parameters())
         self.named = [(n, p) for (n, p), keep in zip(named, config.federated([n for n, _ in named])) if keep]
         self.params = [p for _, p in self.named]
-        self.federation = mesh["federation"].get_group()
+        self.federation = mesh["federation"].get_group() if elastic is None else None
         self.replicate = mesh["replicate"].get_group()
         self.replica_index = mesh["replicate"].get_local_rank()
         # leader_broadcast: only replica 0 of each group joins the cross-group average (and the
@@ -161,7 +166,8 @@ class FedAvg:
         self.reduce_dtype = REDUCE_DTYPES[config.outer.reduce_dtype]
         self.buckets = self._buckets(int(config.bucket_mb * 2**20))
         self._buffers: dict = {}
-        check_aligned(model, self.federation)
+        if elastic is None:  # elastic: a healing group's copy_ of its peer's shards checks their shapes
+            check_aligned(model, self.federation)
         # per bucket: its persistent flat tensor (None: packed into a reusable buffer each time),
         # the indices of its shards that are copied into it and back, and what the guard checks
         self.resident: list[torch.Tensor | None] = []
@@ -169,7 +175,9 @@ class FedAvg:
         self._hosted: list[tuple] = []
         # resident=False: copy as before. DCP's async_save stager fails on the parameters once they
         # are views of a bucket ("copy_() on an invalid python storage", torch 2.13, measured)
-        owners = _fsdp_params(model) if resident else {}
+        # elastic: never resident, since a healing group loads its peer's weights into the parameters
+        # after the all-reduce and before the average is applied
+        owners = _fsdp_params(model) if resident and elastic is None else {}
         for bucket in self.buckets:
             self.resident.append(self._adopt(bucket, owners))
         # (name, parameter, its local tensor) as built: the guard's view of every shard averaged
@@ -232,9 +240,10 @@ class FedAvg:
     @torch.no_grad()
     def _reference(self, bucket: list[torch.Tensor]) -> torch.Tensor:
         """The bucket's weights, group 0's in every group (they start alike; where not, the first
-        aggregation still gives the groups' average)."""
+        aggregation still gives the groups' average). Elastic: this group's own (alike: fldp.init)."""
         ref = torch.cat([t.reshape(-1) for t in bucket])
-        dist.broadcast(ref, group=self.federation, group_src=0)
+        if self.elastic is None:
+            dist.broadcast(ref, group=self.federation, group_src=0)
         return ref
 
     def _check_live(self) -> None:
@@ -259,8 +268,11 @@ class FedAvg:
         of the same bytes, 1.22x with two in flight). A bucket packed into a reusable buffer (a
         cast to reduce_dtype) first waits for the bucket that last used that buffer, so its packing
         overlaps the reduction of the one before, and nothing is allocated per aggregation.
-        outer_step=False: the plain average, whatever the outer optimiser (an evaluation of it)."""
+        outer_step=False: the plain average, whatever the outer optimiser (an evaluation of it).
+        Returns whether the aggregation was applied (always, unless elastic and a group failed in it)."""
         self._check_live()
+        if self.elastic is not None:
+            return self._elastic(outer_step)
         pending: collections.deque = collections.deque()
         for i, bucket in enumerate(self.buckets):
             flat = self.resident[i]
@@ -276,6 +288,31 @@ class FedAvg:
             pending.append((i, bucket, flat, work))
         while pending:
             self._finish(*pending.popleft(), outer_step)
+        return True
+
+    def _elastic(self, outer_step: bool) -> bool:
+        """The aggregation over the groups alive: the quorum (a restarted group heals in it), every
+        bucket's mean over the participants, then, only if every group commits, the same outer step
+        and unpacking as a static federation's. A group that failed during it leaves every other
+        group with its own weights until the next aggregation."""
+        self.participants = self.elastic.quorum()
+        pending = []
+        for i, bucket in enumerate(self.buckets):
+            flat = torch.empty(sum(t.numel() for t in bucket), dtype=self.reduce_dtype or bucket[0].dtype,
+                               device=bucket[0].device)
+            if self.reference[i] is None:
+                _pack(bucket, flat, self._copied[i])
+            else:
+                _pack_change(bucket, self._base(i), flat)
+            pending.append((i, bucket, flat, self.elastic.all_reduce_mean(flat) if self.leads else None))
+        for *_, work in pending:
+            if work is not None:
+                work.wait()
+        if not self.elastic.commit():  # after the heal's load: the anchor and reference are the peer's
+            return False
+        for i, bucket, flat, _ in pending:
+            self._apply(i, bucket, flat, self.leads, outer_step)
+        return True
 
     def _buffer(self, bucket, parity: int) -> torch.Tensor:
         numel = sum(t.numel() for t in bucket)
@@ -290,11 +327,17 @@ class FedAvg:
         return self.outer.anchors[index] if self.outer is not None else self.reference[index]
 
     def _finish(self, index, bucket, flat, work, outer_step: bool) -> None:
-        ref = self.reference[index]
         if work is not None:
             work.wait()
             # gloo has no AVG: sum, then divide (identical bits on every rank of the group)
             flat.div_(self.shape.federation)
+        self._apply(index, bucket, flat, work is not None, outer_step)
+
+    def _apply(self, index, bucket, flat, reduced: bool, outer_step: bool) -> None:
+        """`flat` holds the groups' mean (`reduced`), or nothing yet (a replica the leader hands the
+        new weights to): the outer step, the broadcast to the replicas, the unpacking."""
+        ref = self.reference[index]
+        if reduced:
             if ref is not None:  # flat: the groups' mean change; the new weights into ref
                 if not outer_step:
                     flat = (self._base(index) + flat).to(ref.dtype)  # the average; ref kept

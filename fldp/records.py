@@ -82,7 +82,7 @@ class Recorder:
             prefix = "eval" if row.get("split") == "eval" else "train"
             self.wandb.log({f"{prefix}/{k}": v for k, v in row.items() if k not in ("step", "split")},
                            step=row["step"])
-        if self.bar is not None and row.get("split") != "eval":
+        if self.bar is not None and "split" not in row:  # a step's row (not an evaluation or a heal)
             self.bar.update(1)
             self.bar.set_postfix_str(
                 f"ppl {row['perplexity']:.1f} | " + " ".join(f"{SHORT[p]} {row['time_' + p]:.3f}s" for p in PHASES)

@@ -180,6 +180,7 @@ KEYS: dict[str, Spec] = {
     "algorithm.outer.betas": ListOf("a list of 2 numbers in [0, 1)", item=Num(ge=0, lt=1), length=2),
     "algorithm.outer.eps": Num(gt=0, null=True),   # null: the optimiser's own (OUTER_DEFAULTS)
     "algorithm.outer.reduce_dtype": Choice(*REDUCE_DTYPES),
+    "algorithm.elastic": Bool(optional=True, when=FEDAVG),
     "algorithm.federate": ListOf("a list of regular expressions", item=Spec("a regular expression", _compiles),
                                  optional=True, when=FEDAVG),
     # topology: conf/topology/*.yaml
@@ -242,6 +243,9 @@ KEYS: dict[str, Spec] = {
     "cluster.master_port": Int(ge=1, le=65535, null=True, optional=True),
     "cluster.timeout_s": Num(gt=0, optional=True),
     "cluster.threads_per_worker": Int(ge=1, optional=True),
+    # elastic federation (fldp/elastic.py): the local launcher restarts a failed group
+    "cluster.restart_failed_groups": Bool(optional=True),
+    "cluster.max_restarts": Int(ge=0, optional=True),
     # cluster=simulate (fldp/simulate.py): one process, no ranks
     "cluster.device": Choice("cpu", "cuda", when=("cluster.name", ("simulate",))),
     "cluster.threads": Int(ge=1, null=True, when=("cluster.name", ("simulate",))),

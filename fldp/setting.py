@@ -3,7 +3,8 @@
 A configuration is its mathematics and its timings: the algorithm and mesh, model, data, trainer,
 optimiser, FSDP policy and emulated network. Resuming, checkpointing, progress bars, W&B, the
 cluster, output directories, where the data and tokenizer are read from, the init device (fldp.init
-gives the same weights either way) and the byte meter (which costs under 1%) change none of that.
+gives the same weights either way), the byte meter (which costs under 1%) and elastic federation
+(which acts only once a group fails) change none of that.
 The analysis labels configurations by the defining keys only, and the dry run compares a run with the
 paper's setting through them."""
 from __future__ import annotations
@@ -19,6 +20,9 @@ DATASET_KEYS = ("name", "block_size", "train_blocks", "eval_blocks", "text_field
 OPERATIONAL = frozenset({
     "trainer.progress", "trainer.resume", "trainer.skip_finished", "trainer.checkpoint_every", "trainer.keep_last",
     "trainer.async_save", "comm.measure", "model.init_device",
+    # what happens after a group fails; without a failure an elastic run computes the same, bit for
+    # bit (tests/test_elastic.py)
+    "algorithm.elastic",
 })
 
 

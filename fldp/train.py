@@ -51,6 +51,9 @@ def validate(cfg: DictConfig):
 
         model = build_model(llama_config(cfg.model, cfg.model.vocab_size or 8), "meta")
         federation.federated([name for name, _ in model.named_parameters()])
+    from . import elastic
+
+    elastic.check(cfg)
     if simulates(cfg):  # no ranks, no network: the topology gives only the mesh
         check_simulation(cfg)
         return shape
@@ -134,6 +137,13 @@ def _rank(cfg, run_dir, blocks, device):
     train(cfg, run_dir, blocks, device)
 
 
+def _group_rank(cfg, run_dir, blocks, member, device):
+    """A rank of an elastic run: its process group is its federation group's."""
+    from .trainer import train
+
+    train(cfg, run_dir, blocks, device, member=member)
+
+
 def run(cfg: DictConfig, run_dir: str, sweep_point: bool = False) -> dict | None:
     import torch.distributed as dist
 
@@ -168,8 +178,13 @@ def run(cfg: DictConfig, run_dir: str, sweep_point: bool = False) -> dict | None
         log.info("%s on %s: mesh %s (federation x replicate x shard), %d local workers, records in %s",
                  cfg.algorithm.name, cfg.topology.name, shape, shape.world, run_dir)
         try:
-            launch.run_local(_rank, (cfg, run_dir, blocks), shape.world, cfg.topology.device, cfg.cluster,
-                             network=netns.from_config(cfg))
+            if cfg.algorithm.get("elastic"):
+                from . import elastic
+
+                elastic.run_local(_group_rank, (cfg, run_dir, blocks), shape, cfg.cluster, run_dir)
+            else:
+                launch.run_local(_rank, (cfg, run_dir, blocks), shape.world, cfg.topology.device, cfg.cluster,
+                                 network=netns.from_config(cfg))
         except Interrupted as e:
             discard_incomplete(run_dir)  # every worker has exited: a checkpoint without COMPLETE is a cut save
             raise Interrupted(e.signum, f"; {resume_hint(run_dir)}") from None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import time
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 from transformers import get_cosine_schedule_with_warmup
 
+from . import elastic
 from .aggregation import FedAvg, FedAvgConfig
 from .schedule import aggregation_steps
 from .checkpoint import Checkpointer, latest
@@ -116,6 +118,7 @@ def evaluate(model, cfg, blocks: Blocks, device, groups: int = 1) -> tuple[list[
 
 # what an evaluation's loss is the loss of (`eval_of` in eval rows and summary.json)
 ONE_MODEL, AVERAGE, GROUPS_MEAN = "the one model", "the groups' average model", "the groups' mean loss"
+GROUP_MODEL = "this group's own model"  # elastic federation, between aggregations
 
 
 def eval_row(model, cfg, blocks: Blocks, device, step: int, fedavg, groups_differ: bool,
@@ -156,20 +159,28 @@ def sharded_model(cfg, vocab_size: int, mesh, device: torch.device):
     return model
 
 
-def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None) -> dict | None:
+def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None, member=None) -> dict | None:
     """Run one experiment on this rank (the process group is initialised). Rank 0 writes the
     records and returns the summary. `on_step(step, model, aggregated)`, if given, runs on every
-    rank before the first step (step 0) and after each step (tests inspect the parameters with it)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank before the first step (step 0) and after each step (tests inspect the parameters with it).
+
+    member (fldp.elastic.Member): elastic federation. The process group is then this rank's
+    federation group alone; the groups meet only at aggregations, through torchft. Group 0's rank 0
+    writes the run's records and summary, group g's rank 0 its own in run_dir/group_g/."""
     shape = mesh_shape(cfg)
-    mesh = build_mesh(shape, device.type)
+    world = shape.world
+    # the rank's place in the whole run: its data slice and its records
+    rank = dist.get_rank() + (member.group * shape.group_size if member else 0)
+    local_shape = dataclasses.replace(shape, federation=1) if member else shape
+    mesh = build_mesh(local_shape, device.type)
     steps = total_steps(cfg, blocks, world)
 
-    model = sharded_model(cfg, blocks.vocab_size, group_mesh(mesh, shape), device)
+    model = sharded_model(cfg, blocks.vocab_size, group_mesh(mesh, local_shape), device)
 
     fedavg_cfg = FedAvgConfig.from_algorithm(cfg.algorithm)
-    fedavg = (FedAvg(model, mesh, shape, fedavg_cfg, last_step=steps, resident=not cfg.trainer.async_save)
-              if fedavg_cfg else None)
+    federation = elastic_federation(cfg, member, shape) if member else None
+    fedavg = (FedAvg(model, mesh, shape, fedavg_cfg, last_step=steps, resident=not cfg.trainer.async_save,
+                     elastic=federation) if fedavg_cfg else None)
     # parameters left out of algorithm.federate stay local: the groups never hold one model
     partial = fedavg_cfg is not None and not all(fedavg_cfg.federated([n for n, _ in model.named_parameters()]))
     optimizer = build_optimizer(model, cfg.optimizer)
@@ -177,7 +188,15 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None)
 
     start = 0
     checkpointer = None
-    if cfg.trainer.checkpoint_every or cfg.trainer.resume:
+    position = {"step": 0}  # the last step trained (a healing peer copies it)
+    heal = None
+    if federation is not None:
+        elastic.fault(member, None, "start")
+        federation.track(model, optimizer, scheduler, fedavg, position)
+        if member.restart:  # a restarted group: heal from a live peer at the next aggregation
+            heal = rejoin(fedavg, federation, position, member)
+            start = position["step"]
+    elif cfg.trainer.checkpoint_every or cfg.trainer.resume:
         checkpointer = Checkpointer(run_dir, shape, cfg.algorithm.name, cfg.trainer.checkpoint_every, steps,
                                     stateful={"outer": fedavg} if fedavg is not None else None,
                                     keep_last=cfg.trainer.keep_last, async_save=cfg.trainer.async_save,
@@ -187,10 +206,16 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None)
             start = checkpointer.load(resume_from, model, optimizer, scheduler)
     if on_step is not None and start == 0:
         on_step(0, model, False)  # the initial weights (identical in every group: fldp.init)
+    elif on_step is not None and heal:
+        on_step(start, model, True)  # healed: the weights of that step's aggregation
 
     batches = RankBatches(blocks.train, cfg.trainer.batch_size, rank, world, cfg.seed).stream(start)
     tokens_per_step = world * cfg.trainer.batch_size * blocks.train.shape[1]
-    recorder = Recorder(run_dir, cfg, steps, cfg.trainer.progress, resume_from=start) if rank == 0 else None
+    records = run_dir if not member or member.group == 0 else str(Path(run_dir) / f"group_{member.group}")
+    recorder = (Recorder(records, cfg, steps, cfg.trainer.progress and rank == 0, resume_from=start)
+                if dist.get_rank() == 0 else None)
+    if recorder and heal:
+        recorder.log(heal)
     timer = PhaseTimer(device)
     train_time, row = (recorder.train_time, recorder.last_row) if recorder else (0.0, {})
     # counts every collective of the step per mesh dimension; with emulation, slows each down to
@@ -214,7 +239,10 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None)
             timer.lap("optimizer")
             aggregated = fedavg is not None and fedavg.due(step)
             if aggregated:
-                fedavg()
+                position["step"] = step
+                if member:
+                    elastic.fault(member, step, "aggregation")
+                committed = fedavg()
                 timer.lap("aggregation")
             else:
                 timer.times["aggregation"] = 0.0  # the phase did not run this step
@@ -235,13 +263,21 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None)
                **{f"time_{p}": t for p, t in zip(PHASES, times)}, "time_step": step_time,
                **{f"critical_{p}": t for p, t in zip(PHASES, critical)}, "aggregated": aggregated,
                **{k: (int(v) if k.startswith("collectives") else v) for k, v in zip(counted, counts)}}
+        if federation is not None and aggregated:  # the groups alive in it, and whether it was applied
+            row.update(participants=fedavg.participants, committed=committed)
         if recorder:
             recorder.log(row)
+        position["step"] = step
+        if member:
+            elastic.fault(member, step, "step")
         if on_step is not None:
             on_step(step, model, aggregated)
         if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step != steps:
-            evaluation = eval_row(model, cfg, blocks, device, step, fedavg, fedavg is not None and not aggregated,
-                                  partial)
+            # elastic: each group scores its own model (the groups meet only at aggregations)
+            evaluation = eval_row(model, cfg, blocks, device, step, fedavg,
+                                  fedavg is not None and not aggregated and not member, partial and not member)
+            if member and not aggregated:
+                evaluation["eval_of"] = GROUP_MODEL
             if recorder:
                 recorder.log(evaluation)
         if checkpointer is not None and checkpointer.due(step):
@@ -252,7 +288,9 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None)
     if checkpointer is not None:
         checkpointer.finish()  # the last async save, if one is in flight
     # after the last step's forced aggregation every group holds the same model, unless federation is partial
-    final = eval_row(model, cfg, blocks, device, steps, fedavg, groups_differ=False, partial=partial)
+    final = eval_row(model, cfg, blocks, device, steps, fedavg, groups_differ=False, partial=partial and not member)
+    if federation is not None:
+        federation.shutdown()
     if recorder is None:
         return None
     recorder.log(final)
@@ -260,6 +298,29 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None)
                           executed={"executor": "trainer", **summary_fields(cfg)})
     recorder.finish(summary)
     return summary
+
+
+def elastic_federation(cfg, member, shape):
+    """This rank's torchft Manager; its group's rendezvous store (the launcher's) is the Manager's."""
+    return elastic.Federation(member, dist.get_rank(), shape.group_size, os.environ["MASTER_ADDR"],
+                              int(os.environ["MASTER_PORT"]), cfg.cluster.timeout_s)
+
+
+def rejoin(fedavg, federation, position: dict, member) -> dict:
+    """A restarted group's first act: join the survivors' next aggregation, heal from one of them
+    in it (everything a group holds, the step included) and leave it holding that aggregation's
+    result, like them. The heal row for the records."""
+    began = time.perf_counter()
+    committed = fedavg()
+    # torchft spreads a group's ranks over the live peers: each rank names the group it copied from
+    sources: list = [None] * dist.get_world_size()
+    dist.all_gather_object(sources, federation.healed_from)
+    if None in sources:
+        raise RuntimeError(f"federation group {member.group} restarted, but no live group was left to heal "
+                           "from: every other group has finished or failed")
+    return {"split": "heal", "step": position["step"], "group": member.group, "restart": member.restart,
+            "healed_from": sources, "participants": fedavg.participants, "committed": committed,
+            "time_heal": time.perf_counter() - began}
 
 
 def run_summary(cfg, shape, fedavg_cfg, steps: int, world: int, tokens_per_step: int, train_time: float,

@@ -116,7 +116,7 @@ def test_shell_completion(installed, tmp_path):
 
 
 # import name -> distribution name, where they differ
-DISTRIBUTIONS = {"PIL": "pillow", "hydra": "hydra-core"}
+DISTRIBUTIONS = {"PIL": "pillow", "hydra": "hydra-core", "torchft": "torchft-nightly"}
 
 
 def _normal(name: str) -> str:

@@ -1,0 +1,316 @@
+"""Elastic federation on torchft: a federation group's failure costs only that group.
+
+With `algorithm.elastic=true` each federation group is its own process-group world (FSDP or HSDP
+inside it, unchanged) and a torchft replica group. Between aggregations the groups share nothing;
+at each aggregation torchft's Manager forms a quorum of the groups alive (through the lighthouse),
+FedAvg's all-reduce runs over them and averages over those participants, and the result is applied
+only if every group's ranks commit. A failed group is restarted by the launcher: its new ranks join
+the next aggregation, fetch everything a group holds from a live peer over torchft's checkpoint
+transport (model shards, AdamW state, the outer anchor and state, scheduler, step; the data
+position follows from the step), receive that aggregation's average like the others, and train on.
+
+Why a restarted group contributes nothing to the aggregation it heals at (torchft's async-quorum
+participation: only groups at the highest committed step take part): it did no inner steps since
+that aggregation, and sending its peer's copy would count the peer twice.
+
+The launcher (`run_local`) starts the lighthouse and each group's ranks, restarts a failed group up
+to `cluster.max_restarts` times, and ends the run clearly when the lighthouse dies, a group fails
+more often than that, or a group fails with no live peer left to heal from.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import wait
+from pathlib import Path
+
+import torch
+
+from .errors import ConfigError, Interrupted, WorkerError
+
+# The lighthouse waits this long for every live group to reach an aggregation before it forms a
+# quorum without the late ones: longer than any gap between aggregations, or a restarted group
+# waiting to heal would form a quorum of its own and train from scratch.
+JOIN_TIMEOUT_S = 120.0
+# A group whose manager has not been heard from for this long is dead to the lighthouse: the
+# survivors' next aggregation waits at most this long for a group that just died.
+HEARTBEAT_TIMEOUT_S = 2.0
+# FLDP_FAULT: a real failure for tests and drills, e.g. "group=2,step=5" (every rank of group 2
+# SIGKILLs itself after step 5), "group=1,step=8,at=aggregation" (as step 8's aggregation begins,
+# before the quorum), "...,at=allreduce" (inside it: in the quorum, before its all-reduce) or "group=1,at=start,repeat=true" (as it starts). Only the group's first
+# incarnation fails, unless repeat=true: every one does.
+FAULT_VARIABLE = "FLDP_FAULT"
+
+
+@dataclass(frozen=True)
+class Member:
+    """What a rank of an elastic run knows besides its group's own world."""
+    group: int
+    restart: int        # 0: the group's first incarnation
+    lighthouse: str     # the lighthouse's address
+
+
+def check(cfg) -> None:
+    """Elastic federation's preconditions, before any worker starts."""
+    if not cfg.algorithm.get("elastic"):
+        return
+    if cfg.algorithm.get("aggregation") != "fedavg":
+        raise ConfigError(f"algorithm.elastic=true: algorithm={cfg.algorithm.name} has no federation "
+                          "dimension to be elastic in (fl_fsdp, fl_hsdp, diloco_hsdp have)")
+    if cfg.cluster.get("launcher", "local") != "local" or cfg.cluster.name == "simulate":
+        raise ConfigError(f"algorithm.elastic=true on cluster={cfg.cluster.name}: elastic federation runs on "
+                          "the local launcher (cluster=local) so far; SLURM job steps per group are not built yet")
+    if cfg.topology.device != "cpu":
+        raise ConfigError(f"algorithm.elastic=true on topology.device={cfg.topology.device}: only gloo (cpu) "
+                          "is supported so far")
+    federate = list(cfg.algorithm.get("federate") or [".*"])
+    if federate != [".*"]:
+        raise ConfigError(f"algorithm.elastic=true with algorithm.federate={federate}: a healed group's "
+                          "parameters kept local would be copied from several peers, rank by rank; partial "
+                          "federation is not elastic yet")
+    if cfg.trainer.checkpoint_every or cfg.trainer.resume:
+        raise ConfigError(f"algorithm.elastic=true with trainer.checkpoint_every={cfg.trainer.checkpoint_every}, "
+                          f"trainer.resume={cfg.trainer.resume}: a failed group heals from a live peer; "
+                          "checkpoints of elastic runs are not built yet")
+    from . import netns
+
+    if netns.enabled(cfg.topology) or cfg.comm.emulate:
+        raise ConfigError(f"algorithm.elastic=true on topology={cfg.topology.name}: emulated nodes are not "
+                          "supported with elastic federation yet (nor comm.emulate)")
+
+
+def fault(member: Member, step: int | None, at: str) -> None:
+    """SIGKILL this rank if FLDP_FAULT names its group, this point (`start`; `step`: after the
+    step is recorded; `aggregation`: as it begins; `allreduce`: once in its quorum) and this step."""
+    spec = os.environ.get(FAULT_VARIABLE)
+    if not spec:
+        return
+    fields = dict(part.split("=", 1) for part in spec.split(","))
+    if member.restart and fields.get("repeat") != "true":
+        return
+    if (int(fields["group"]) == member.group and fields.get("at", "step") == at
+            and (at == "start" or int(fields["step"]) == step)):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Federation:
+    """The cross-group side of FedAvg over torchft's Manager, on one rank: the quorum of live
+    groups, a mean over its participants, and the commit. `track` names what a peer's heal copies."""
+
+    def __init__(self, member: Member, rank: int, group_size: int, store_addr: str, store_port: int,
+                 timeout_s: float):
+        from torchft import Manager, ProcessGroupGloo
+
+        self.member = member
+        self.tracked = None
+        self.healed_from: int | None = None  # the peer group whose state this group last loaded
+        timeout = timedelta(seconds=timeout_s)
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self._load, state_dict=self._state,
+            min_replica_size=1, use_async_quorum=True, timeout=timeout,
+            quorum_timeout=timedelta(seconds=max(timeout_s, 2 * JOIN_TIMEOUT_S)),
+            rank=rank, world_size=group_size, store_addr=store_addr, store_port=store_port,
+            lighthouse_addr=member.lighthouse, replica_id=f"group_{member.group}",
+            init_sync=False,  # every group starts from the same weights (fldp.init: the seed alone)
+        )
+
+    def track(self, model, optimizer, scheduler, fedavg, position: dict) -> None:
+        """What a group holds: `position` is {"step": the last step trained}, kept current by the trainer."""
+        self.tracked = (model, optimizer, scheduler, fedavg, position)
+
+    def quorum(self) -> int:
+        """Join this aggregation's quorum (a restarted group heals in it); the participants."""
+        self.manager.start_quorum()
+        return self.manager.num_participants()
+
+    def participates(self) -> bool:
+        return self.manager.is_participating()
+
+    def all_reduce_mean(self, flat: torch.Tensor):
+        """The participants' mean into `flat` once the returned work is waited on (a group that
+        does not participate sends zeros)."""
+        fault(self.member, self.tracked[4]["step"], "allreduce")
+        return self.manager.allreduce(flat)
+
+    def commit(self) -> bool:
+        """Whether every rank of every participating group completed the aggregation; a healing
+        group loads its peer's state here, before the average is applied."""
+        return self.manager.should_commit()
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+    # what torchft's checkpoint transport sends a healing peer: plain local tensors (this rank's
+    # shards), so the receiver's rank with the same position in its group copies them in place
+    def _state(self) -> dict:
+        model, optimizer, scheduler, fedavg, position = self.tracked
+        names = {p: n for n, p in model.named_parameters()}
+        return {
+            "group": self.member.group, "step": position["step"],
+            "model": {n: _local(p) for n, p in model.named_parameters()},
+            "optimizer": {names[p]: {k: _local(v) for k, v in s.items()} for p, s in optimizer.state.items()},
+            "scheduler": scheduler.state_dict(),
+            "fedavg": fedavg.state_dict(),
+        }
+
+    @torch.no_grad()
+    def _load(self, state: dict) -> None:
+        model, optimizer, scheduler, fedavg, position = self.tracked
+        params = dict(model.named_parameters())
+        for name, value in state["model"].items():
+            _local(params[name]).copy_(value)
+        for name, entries in state["optimizer"].items():
+            mine = optimizer.state[params[name]]
+            for key, value in entries.items():
+                if key in mine:
+                    _local(mine[key]).copy_(value)
+                else:  # a group restarted before its first step has no optimiser state yet
+                    mine[key] = value.clone() if key == "step" else _like(params[name], value)
+        scheduler.load_state_dict(state["scheduler"])
+        fedavg.load_state_dict(state["fedavg"])
+        position["step"] = state["step"]
+        self.healed_from = state["group"]
+
+
+def _local(t):
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def _like(param, local: torch.Tensor):
+    """An optimiser state tensor shaped like `param` (a DTensor's: same mesh and placements)."""
+    if hasattr(param, "_local_tensor"):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(local.clone(), param.device_mesh, param.placements,
+                                  shape=param.shape, stride=param.stride())
+    return local.clone()
+
+
+def quiet_torchft() -> None:
+    """torchft's quorum and commit logs (its Rust side's and its Python loggers') are INFO lines for
+    every rank at every aggregation; fldp records what they say (participants, commits, heals)."""
+    import logging
+    import warnings
+    from http.server import BaseHTTPRequestHandler
+
+    os.environ.setdefault("RUST_LOG", "warn")  # read when torchft's native side starts logging
+    for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
+        logging.getLogger(name).setLevel(logging.ERROR)  # WARNING: "no NCCL flight recorder" on CPU, each quorum
+    # the checkpoint transport's HTTP server logs each request; no other HTTP server runs in fldp's processes
+    BaseHTTPRequestHandler.log_message = lambda *args: None
+    # torch reading a received checkpoint from a read-only buffer; the tensors are copied into place at once
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+
+# ---- the local launcher: the lighthouse and the groups, each group restarted when it fails ----
+
+def _lighthouse(out, parent: int) -> None:
+    from . import launch
+
+    signal.signal(signal.SIGTERM, launch._exit_on_signal)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    launch._die_with_parent(parent)
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=int(JOIN_TIMEOUT_S * 1000),
+                              heartbeat_timeout_ms=int(HEARTBEAT_TIMEOUT_S * 1000))
+    out.put(server.address())
+    while True:
+        signal.pause()
+
+
+class _Group:
+    """One federation group's ranks: started, watched, stopped and restarted together."""
+
+    def __init__(self, index: int):
+        self.index, self.restart, self.procs, self.errors = index, 0, [], None
+
+    @property
+    def finished(self) -> bool:
+        return all(p.exitcode == 0 for p in self.procs)
+
+    def alive(self):
+        return [p for p in self.procs if p.exitcode is None]
+
+
+def run_local(fn, args: tuple, shape, cluster_cfg, run_dir: str) -> None:
+    """Fork the lighthouse and every group's ranks; fn(*args, member, device) on each rank, whose
+    process group is its own group's world. A group that fails is stopped, recorded in
+    run_dir/elastic_events.jsonl and restarted (cluster.max_restarts times at most) while another
+    group is still training; raises WorkerError when it cannot be, or the lighthouse dies."""
+    from . import launch
+
+    quiet_torchft()
+    launch.stop_tqdm_monitors()
+    ctx = launch.mp.get_context("fork")
+    events = Path(run_dir) / "elastic_events.jsonl"
+    out = ctx.SimpleQueue()
+    lighthouse = ctx.Process(target=_lighthouse, name="fldp-lighthouse", args=(out, os.getpid()), daemon=True)
+    groups = [_Group(g) for g in range(shape.federation)]
+    every = [lighthouse]  # every process started, for the interrupt handler
+    restart_failed = cluster_cfg.get("restart_failed_groups", True)
+    max_restarts = cluster_cfg.get("max_restarts", 3)
+
+    def start(group: _Group, address: str) -> None:
+        addr = cluster_cfg.master_addr
+        port = launch.free_port(addr)
+        member = Member(group.index, group.restart, address)
+        group.errors = ctx.SimpleQueue()
+        group.procs = [ctx.Process(target=launch._local_worker, name=f"fldp-group{group.index}-rank{i}", args=(
+            i, fn, (*args, member), shape.group_size, addr, port, "cpu", cluster_cfg.timeout_s,
+            cluster_cfg.threads_per_worker, group.errors, os.getpid(), None)) for i in range(shape.group_size)]
+        for p in group.procs:
+            p.start()
+        every.extend(group.procs)
+
+    with launch._Interrupts(every) as interrupts:
+        try:
+            lighthouse.start()
+            address = out.get()
+            for group in groups:
+                start(group, address)
+            while not interrupts.signum:
+                if lighthouse.exitcode is not None:
+                    raise WorkerError(f"the torchft lighthouse died (exit code {lighthouse.exitcode}): "
+                                      "the groups can no longer form a quorum")
+                failed = next(((g, p) for g in groups for p in g.procs if p.exitcode not in (None, 0)), None)
+                if failed:
+                    _failed(*failed, groups, events, restart_failed, max_restarts, launch)
+                    start(failed[0], address)
+                    continue
+                if all(g.finished for g in groups):
+                    break
+                wait([lighthouse.sentinel, *(p.sentinel for g in groups for p in g.alive())], timeout=1.0)
+        finally:
+            launch._stop([p for p in every if p.pid is not None])
+    if interrupts.signum:
+        raise Interrupted(interrupts.signum)
+
+
+def _failed(group: _Group, proc, groups: list, events: Path, restart_failed: bool, max_restarts: int, launch) -> None:
+    """A rank of `group` died: stop the group's others and record it; raise if it is not restarted."""
+    rank = group.procs.index(proc)
+    time.sleep(launch._GRACE_S)  # its peers in the group fail next: let the first error arrive
+    launch._stop(group.alive())
+    reports = sorted(launch._drain(group.errors))
+    code = proc.exitcode
+    how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    cause = reports[0][2] if reports else f"rank {rank} died ({how}) without a Python error"
+    others_running = any(not g.finished for g in groups if g is not group)
+    restarting = restart_failed and group.restart < max_restarts and others_running
+    event = {"event": "failure", "time": time.time(), "group": group.index, "incarnation": group.restart,
+             "rank": rank, "exit": how, "restarted": restarting}
+    with contextlib.suppress(OSError):  # a disk that refuses it: the failure is still reported, below or by a heal row
+        with events.open("a") as f:
+            f.write(json.dumps(event) + "\n")
+    if not restarting:
+        why = ("cluster.restart_failed_groups=false" if not restart_failed
+               else f"it failed {group.restart + 1} times (cluster.max_restarts={max_restarts})"
+               if group.restart >= max_restarts else "no other group is left to heal it from")
+        raise WorkerError(f"federation group {group.index} failed and is not restarted ({why}):\n{cause}")
+    group.restart += 1

@@ -1,0 +1,193 @@
+"""Elastic federation (fldp/elastic.py, on torchft): a failed group costs only itself, is restarted,
+heals from a live peer and rejoins. Real processes, real gloo, a real torchft lighthouse; the
+failures are real SIGKILLs of every rank of a group (FLDP_FAULT)."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import QUICK, cli, compose_cfg, identical, read_rows
+from fldp import elastic
+from fldp.data import prepare
+from fldp.mesh import MeshShape
+from fldp.trainer import train  # imported once here: a restarted group's forked ranks start at once
+
+pytestmark = pytest.mark.timeout(300, method="signal")
+
+SHORT = ["trainer.steps=16", "algorithm.every=4", "algorithm.elastic=true"]
+
+
+def _rank(cfg, run_dir, blocks, out, member, device):
+    """The trainer on one rank of an elastic run. Saved: each group's final weights (in full, by its
+    rank 0), and each rank's AdamW state at every aggregation (a healed group's at its heal)."""
+    import torch.distributed as dist
+
+    import fldp.trainer
+
+    made = {}
+    build = fldp.trainer.build_optimizer
+
+    def keep(model, opt_cfg):  # this forked worker's own module: the optimiser, to look at
+        made["optimizer"] = build(model, opt_cfg)
+        return made["optimizer"]
+
+    fldp.trainer.build_optimizer = keep
+
+    def on_step(step, model, aggregated):
+        if aggregated:
+            names = {p: n for n, p in model.named_parameters()}
+            state = {names[p]: {k: (v.to_local() if hasattr(v, "to_local") else v).clone() for k, v in s.items()}
+                     for p, s in made["optimizer"].state.items()}
+            torch.save(state, Path(out) / f"adamw_g{member.group}_r{dist.get_rank()}_s{step}.pt")
+        if step == cfg.trainer.steps:
+            full = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}  # group collective
+            if dist.get_rank() == 0:
+                torch.save(full, Path(out) / f"group_{member.group}.pt")
+
+    train(cfg, run_dir, blocks, device, on_step=on_step, member=member)
+
+
+def run_elastic(cfg, run_dir: Path, fault: str | None, monkeypatch) -> dict[int, dict]:
+    """An elastic run in forked processes (FLDP_FAULT as given); every group's final weights."""
+    if fault:
+        monkeypatch.setenv(elastic.FAULT_VARIABLE, fault)
+    out = run_dir / "weights"
+    out.mkdir(parents=True)
+    shape = MeshShape(cfg.mesh.federation, cfg.mesh.replicate, cfg.mesh.shard)
+    elastic.run_local(_rank, (cfg, str(run_dir), prepare(cfg.dataset), str(out)), shape, cfg.cluster, str(run_dir))
+    return {g: torch.load(out / f"group_{g}.pt") for g in range(shape.federation)}
+
+
+def records(run_dir: Path, group: int) -> list[dict]:
+    path = run_dir if group == 0 else run_dir / f"group_{group}"
+    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+def steps_of(rows: list[dict]) -> list[int]:
+    return [r["step"] for r in rows if "split" not in r]
+
+
+def test_an_elastic_run_without_failures_trains_as_the_static_federation(tmp_path):
+    """No failure: the same losses as FL+FSDP without elastic (the mean of the groups' own, per
+    step, bit for bit), the same final model, and every aggregation with both groups."""
+    # the whole held-out split: an evaluation over fewer ranks would otherwise score fewer batches
+    common = ["algorithm=fl_fsdp", "topology=local_4", "trainer.steps=12", "algorithm.every=4", *QUICK,
+              "trainer.eval_batches=null"]
+    static = cli(*common, f"hydra.run.dir={tmp_path / 'static'}", cwd=tmp_path)
+    assert static.returncode == 0, static.stderr[-3000:]
+    run = cli(*common, "algorithm.elastic=true", f"hydra.run.dir={tmp_path / 'elastic'}", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    reference = read_rows(tmp_path / "static")
+    groups = [[r for r in records(tmp_path / "elastic", g) if "split" not in r] for g in (0, 1)]
+    assert [r["step"] for r in reference] == steps_of(groups[0]) == steps_of(groups[1]) == list(range(1, 13))
+    for ref, a, b in zip(reference, *groups):
+        assert (a["loss"] + b["loss"]) / 2 == ref["loss"], ref["step"]
+        assert a.get("participants") == (2 if ref["aggregated"] else None)
+    summaries = [json.loads((tmp_path / d / "summary.json").read_text()) for d in ("static", "elastic")]
+    # the same model; its batches' losses summed over 2 ranks, not 4: another order of float additions
+    assert summaries[1]["eval_loss"] == pytest.approx(summaries[0]["eval_loss"], rel=1e-6)
+    assert not (tmp_path / "elastic" / "elastic_events.jsonl").exists()
+
+
+def test_a_killed_group_costs_only_itself_heals_from_a_peer_and_rejoins(tmp_path, monkeypatch):
+    """fl_fsdp 4x1x2: every rank of group 2 SIGKILLed after step 5. The other groups train every
+    step once; their next aggregation has 3 participants; group 2 restarts, heals from them and
+    trains on from there; after the last aggregation every group holds the same weights."""
+    # steps enough for the restart (forked ranks, model, torchft manager) on a loaded 2-core machine
+    cfg = compose_cfg("algorithm=fl_fsdp", "topology=local_8", "mesh.federation=4", "mesh.shard=2", *SHORT,
+                      "trainer.steps=48")
+    weights = run_elastic(cfg, tmp_path, "group=2,step=5", monkeypatch)
+    for g in (0, 1, 3):
+        rows = records(tmp_path, g)
+        assert steps_of(rows) == list(range(1, 49)), g  # no step missing or recorded twice
+        participants = {r["step"]: r["participants"] for r in rows if "participants" in r}
+        assert participants[4] == 4 and participants[8] == 3 and participants[48] == 4, participants
+        assert all(r["committed"] for r in rows if "participants" in r)
+    rows = records(tmp_path, 2)
+    heal = next(r for r in rows if r.get("split") == "heal")
+    assert set(heal["healed_from"]) <= {0, 1, 3} and len(heal["healed_from"]) == 2
+    assert heal["restart"] == 1 and heal["step"] % 4 == 0 and 8 <= heal["step"] < 48
+    assert steps_of(rows) == [*range(1, 6), *range(heal["step"] + 1, 49)]
+    assert heal["participants"] == 3 and heal["committed"] and heal["time_heal"] > 0
+    # each rank's AdamW state after the heal is its source group's (same rank) at that aggregation
+    for rank, source in enumerate(heal["healed_from"]):
+        mine, theirs = (torch.load(tmp_path / "weights" / f"adamw_g{g}_r{rank}_s{heal['step']}.pt") for g in (2, source))
+        assert mine.keys() == theirs.keys() and all(identical(mine[n], theirs[n]) for n in mine), rank
+    for g in (1, 2, 3):
+        assert identical(weights[g], weights[0]), g
+    events = [json.loads(line) for line in (tmp_path / "elastic_events.jsonl").read_text().splitlines()]
+    assert [(e["group"], e["exit"], e["restarted"]) for e in events] == [(2, "signal SIGKILL", True)]
+
+
+def test_a_group_killed_inside_an_aggregation_leaves_the_others_their_own_weights_until_the_next(
+        tmp_path, monkeypatch):
+    """DiLoCo on fl_hsdp's 2x2x2 (leader_broadcast; the outer Nesterov momentum must be healed too):
+    group 1 dies in step 8's aggregation, after the quorum that counts it: group 0's all-reduce
+    fails, the aggregation is not applied (committed false), and group 0 trains on; group 1 heals
+    at a later aggregation; all end identical."""
+    cfg = compose_cfg("algorithm=diloco_hsdp", "topology=local_8", *SHORT, "trainer.steps=48")
+    weights = run_elastic(cfg, tmp_path, "group=1,step=8,at=allreduce", monkeypatch)
+    rows = records(tmp_path, 0)
+    assert steps_of(rows) == list(range(1, 49))
+    outcome = {r["step"]: (r["participants"], r["committed"]) for r in rows if "participants" in r}
+    assert outcome[4] == (2, True) and outcome[8] == (2, False) and outcome[48] == (2, True), outcome
+    heal = next(r for r in records(tmp_path, 1) if r.get("split") == "heal")
+    assert heal["healed_from"] == [0, 0, 0, 0] and heal["participants"] == 1 and heal["step"] % 4 == 0 and 12 <= heal["step"] < 48
+    assert identical(weights[1], weights[0])
+
+
+def test_a_group_that_fails_again_at_once_is_restarted_a_bounded_number_of_times(tmp_path):
+    """Group 1 dies as it starts, in every incarnation: restarted cluster.max_restarts=2 times, then
+    the run ends (exit 1) naming the group, the limit and the failure; each failure is recorded."""
+    run = cli("algorithm=fl_fsdp", "topology=local_4", *SHORT, "trainer.steps=400", "cluster.max_restarts=2",
+              *QUICK, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path,
+              env={elastic.FAULT_VARIABLE: "group=1,at=start,repeat=true"})
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert "federation group 1 failed and is not restarted (it failed 3 times (cluster.max_restarts=2))" in run.stderr
+    assert "SIGKILL" in run.stderr
+    events = [json.loads(line) for line in (tmp_path / "run" / "elastic_events.jsonl").read_text().splitlines()]
+    assert [(e["group"], e["incarnation"], e["restarted"]) for e in events] == [(1, 0, True), (1, 1, True), (1, 2, False)]
+    assert not any(p for p in os.popen("ps -eo args").read().splitlines() if str(tmp_path) in p)
+
+
+def test_the_lighthouse_dying_ends_the_run_clearly(tmp_path):
+    """Without the lighthouse no quorum can form: the launcher ends the run, naming it, and leaves
+    no worker behind."""
+    import multiprocessing
+    import signal
+    import threading
+
+    from fldp.errors import WorkerError
+
+    cfg = compose_cfg("algorithm=fl_fsdp", "topology=local_4", *SHORT, "trainer.steps=400")
+
+    def kill_the_lighthouse():
+        while not (tmp_path / "metrics.jsonl").exists() or len(records(tmp_path, 0)) < 2:
+            time.sleep(0.2)
+        lighthouse = next(p for p in multiprocessing.active_children() if p.name == "fldp-lighthouse")
+        os.kill(lighthouse.pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_the_lighthouse, daemon=True)
+    killer.start()
+    with pytest.raises(WorkerError, match="the torchft lighthouse died"):
+        run_elastic(cfg, tmp_path, None, None)
+    assert not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["algorithm=hsdp", "topology=local_4", "+algorithm.elastic=true"], "algorithm.elastic"),
+    (["algorithm=fl_fsdp", "topology=local_4", "algorithm.elastic=true", "trainer.checkpoint_every=4"],
+     "trainer.checkpoint_every=4"),
+    (["algorithm=fl_fsdp", "topology=local_4", "algorithm.elastic=true", "cluster=simulate"], "cluster=simulate"),
+    (["algorithm=fl_fsdp", "topology=local_4", "algorithm.elastic=true", "algorithm.federate=[.*layers.*]"],
+     "algorithm.federate"),
+])
+def test_elastic_federation_refuses_what_it_cannot_do_before_any_worker_starts(tmp_path, overrides, named):
+    run = cli(*overrides, *QUICK, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, timeout=60)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert named in run.stderr and not (tmp_path / "run").exists()
