@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from . import faults
 from .errors import ConfigError, Interrupted, WorkerError
 
 # The lighthouse waits this long for every live group to reach an aggregation before it forms a
@@ -40,11 +41,6 @@ JOIN_TIMEOUT_S = 120.0
 # A group whose manager has not been heard from for this long is dead to the lighthouse: the
 # survivors' next aggregation waits at most this long for a group that just died.
 HEARTBEAT_TIMEOUT_S = 2.0
-# FLDP_FAULT: a real failure for tests and drills, e.g. "group=2,step=5" (every rank of group 2
-# SIGKILLs itself after step 5), "group=1,step=8,at=aggregation" (as step 8's aggregation begins,
-# before the quorum), "...,at=allreduce" (inside it: in the quorum, before its all-reduce) or "group=1,at=start,repeat=true" (as it starts). Only the group's first
-# incarnation fails, unless repeat=true: every one does.
-FAULT_VARIABLE = "FLDP_FAULT"
 
 
 @dataclass(frozen=True)
@@ -84,20 +80,6 @@ def check(cfg) -> None:
                           "supported with elastic federation yet (nor comm.emulate)")
 
 
-def fault(member: Member, step: int | None, at: str) -> None:
-    """SIGKILL this rank if FLDP_FAULT names its group, this point (`start`; `step`: after the
-    step is recorded; `aggregation`: as it begins; `allreduce`: once in its quorum) and this step."""
-    spec = os.environ.get(FAULT_VARIABLE)
-    if not spec:
-        return
-    fields = dict(part.split("=", 1) for part in spec.split(","))
-    if member.restart and fields.get("repeat") != "true":
-        return
-    if (int(fields["group"]) == member.group and fields.get("at", "step") == at
-            and (at == "start" or int(fields["step"]) == step)):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 class Federation:
     """The cross-group side of FedAvg over torchft's Manager, on one rank: the quorum of live
     groups, a mean over its participants, and the commit. `track` names what a peer's heal copies."""
@@ -134,7 +116,7 @@ class Federation:
     def all_reduce_mean(self, flat: torch.Tensor):
         """The participants' mean into `flat` once the returned work is waited on (a group that
         does not participate sends zeros)."""
-        fault(self.member, self.tracked[4]["step"], "allreduce")
+        faults.strike(self.member.group, self.member.restart, self.tracked[4]["step"], "allreduce")
         return self.manager.allreduce(flat)
 
     def commit(self) -> bool:
@@ -294,7 +276,7 @@ def run_local(fn, args: tuple, shape, cluster_cfg, run_dir: str) -> None:
 
 def _failed(group: _Group, proc, groups: list, events: Path, restart_failed: bool, max_restarts: int, launch) -> None:
     """A rank of `group` died: stop the group's others and record it; raise if it is not restarted."""
-    rank = group.procs.index(proc)
+    rank, noticed = group.procs.index(proc), time.time()
     time.sleep(launch._GRACE_S)  # its peers in the group fail next: let the first error arrive
     launch._stop(group.alive())
     reports = sorted(launch._drain(group.errors))
@@ -303,7 +285,7 @@ def _failed(group: _Group, proc, groups: list, events: Path, restart_failed: boo
     cause = reports[0][2] if reports else f"rank {rank} died ({how}) without a Python error"
     others_running = any(not g.finished for g in groups if g is not group)
     restarting = restart_failed and group.restart < max_restarts and others_running
-    event = {"event": "failure", "time": time.time(), "group": group.index, "incarnation": group.restart,
+    event = {"event": "failure", "time": noticed, "group": group.index, "incarnation": group.restart,
              "rank": rank, "exit": how, "restarted": restarting}
     with contextlib.suppress(OSError):  # a disk that refuses it: the failure is still reported, below or by a heal row
         with events.open("a") as f:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from transformers import get_cosine_schedule_with_warmup
 
-from . import elastic
+from . import elastic, faults
 from .aggregation import FedAvg, FedAvgConfig
 from .schedule import aggregation_steps
 from .checkpoint import Checkpointer, latest
@@ -191,7 +191,7 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None,
     position = {"step": 0}  # the last step trained (a healing peer copies it)
     heal = None
     if federation is not None:
-        elastic.fault(member, None, "start")
+        faults.strike(member.group, member.restart, None, "start")
         federation.track(model, optimizer, scheduler, fedavg, position)
         if member.restart:  # a restarted group: heal from a live peer at the next aggregation
             heal = rejoin(fedavg, federation, position, member)
@@ -241,7 +241,7 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None,
             if aggregated:
                 position["step"] = step
                 if member:
-                    elastic.fault(member, step, "aggregation")
+                    faults.strike(member.group, member.restart, step, "aggregation")
                 committed = fedavg()
                 timer.lap("aggregation")
             else:
@@ -268,8 +268,7 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None,
         if recorder:
             recorder.log(row)
         position["step"] = step
-        if member:
-            elastic.fault(member, step, "step")
+        faults.strike(rank // shape.group_size, member.restart if member else 0, step, "step")
         if on_step is not None:
             on_step(step, model, aggregated)
         if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step != steps:
@@ -320,7 +319,7 @@ def rejoin(fedavg, federation, position: dict, member) -> dict:
                            "from: every other group has finished or failed")
     return {"split": "heal", "step": position["step"], "group": member.group, "restart": member.restart,
             "healed_from": sources, "participants": fedavg.participants, "committed": committed,
-            "time_heal": time.perf_counter() - began}
+            "time_heal": time.perf_counter() - began, "healed_at": time.time()}  # unix time: when it rejoined
 
 
 def run_summary(cfg, shape, fedavg_cfg, steps: int, world: int, tokens_per_step: int, train_time: float,

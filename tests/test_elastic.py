@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import QUICK, cli, compose_cfg, identical, read_rows
-from fldp import elastic
+from conftest import QUICK, cli, compose_cfg, identical, read_rows, train_world
+from fldp import elastic, faults
 from fldp.data import prepare
+from fldp.errors import ConfigError
 from fldp.mesh import MeshShape
+from fldp.train import precheck
 from fldp.trainer import train  # imported once here: a restarted group's forked ranks start at once
 
 pytestmark = pytest.mark.timeout(300, method="signal")
@@ -55,7 +58,7 @@ def _rank(cfg, run_dir, blocks, out, member, device):
 def run_elastic(cfg, run_dir: Path, fault: str | None, monkeypatch) -> dict[int, dict]:
     """An elastic run in forked processes (FLDP_FAULT as given); every group's final weights."""
     if fault:
-        monkeypatch.setenv(elastic.FAULT_VARIABLE, fault)
+        monkeypatch.setenv(faults.VARIABLE, fault)
     out = run_dir / "weights"
     out.mkdir(parents=True)
     shape = MeshShape(cfg.mesh.federation, cfg.mesh.replicate, cfg.mesh.shard)
@@ -72,22 +75,20 @@ def steps_of(rows: list[dict]) -> list[int]:
     return [r["step"] for r in rows if "split" not in r]
 
 
-def test_an_elastic_run_without_failures_trains_as_the_static_federation(tmp_path):
+def test_an_elastic_run_without_failures_trains_as_the_static_federation(tmp_path, monkeypatch):
     """No failure: the same losses as FL+FSDP without elastic (the mean of the groups' own, per
     step, bit for bit), the same final model, and every aggregation with both groups."""
     # the whole held-out split: an evaluation over fewer ranks would otherwise score fewer batches
-    common = ["algorithm=fl_fsdp", "topology=local_4", "trainer.steps=12", "algorithm.every=4", *QUICK,
+    common = ["algorithm=fl_fsdp", "topology=local_4", "trainer.steps=12", "algorithm.every=4",
               "trainer.eval_batches=null"]
-    static = cli(*common, f"hydra.run.dir={tmp_path / 'static'}", cwd=tmp_path)
-    assert static.returncode == 0, static.stderr[-3000:]
-    run = cli(*common, "algorithm.elastic=true", f"hydra.run.dir={tmp_path / 'elastic'}", cwd=tmp_path)
-    assert run.returncode == 0, run.stderr[-3000:]
-    reference = read_rows(tmp_path / "static")
+    reference = train_world(compose_cfg(*common), tmp_path / "static")
+    weights = run_elastic(compose_cfg(*common, "algorithm.elastic=true"), tmp_path / "elastic", None, monkeypatch)
     groups = [[r for r in records(tmp_path / "elastic", g) if "split" not in r] for g in (0, 1)]
     assert [r["step"] for r in reference] == steps_of(groups[0]) == steps_of(groups[1]) == list(range(1, 13))
     for ref, a, b in zip(reference, *groups):
         assert (a["loss"] + b["loss"]) / 2 == ref["loss"], ref["step"]
         assert a.get("participants") == (2 if ref["aggregated"] else None)
+    assert identical(weights[0], weights[1])
     summaries = [json.loads((tmp_path / d / "summary.json").read_text()) for d in ("static", "elastic")]
     # the same model; its batches' losses summed over 2 ranks, not 4: another order of float additions
     assert summaries[1]["eval_loss"] == pytest.approx(summaries[0]["eval_loss"], rel=1e-6)
@@ -146,13 +147,24 @@ def test_a_group_that_fails_again_at_once_is_restarted_a_bounded_number_of_times
     the run ends (exit 1) naming the group, the limit and the failure; each failure is recorded."""
     run = cli("algorithm=fl_fsdp", "topology=local_4", *SHORT, "trainer.steps=400", "cluster.max_restarts=2",
               *QUICK, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path,
-              env={elastic.FAULT_VARIABLE: "group=1,at=start,repeat=true"})
+              env={faults.VARIABLE: "group=1,at=start,repeat=true"})
     assert run.returncode == 1, run.stderr[-3000:]
     assert "federation group 1 failed and is not restarted (it failed 3 times (cluster.max_restarts=2))" in run.stderr
     assert "SIGKILL" in run.stderr
     events = [json.loads(line) for line in (tmp_path / "run" / "elastic_events.jsonl").read_text().splitlines()]
     assert [(e["group"], e["incarnation"], e["restarted"]) for e in events] == [(1, 0, True), (1, 1, True), (1, 2, False)]
     assert not any(p for p in os.popen("ps -eo args").read().splitlines() if str(tmp_path) in p)
+
+
+def test_the_fault_drill_kills_a_group_of_a_static_run_too(tmp_path):
+    """FLDP_FAULT in a run without elastic federation: group 1's ranks die after step 3 (saying
+    when), which ends the run as any dead rank does (the benchmark's kill-requeue-resume side)."""
+    run = cli("algorithm=fl_fsdp", "topology=local_4", "trainer.steps=8", *QUICK, f"hydra.run.dir={tmp_path / 'run'}",
+              cwd=tmp_path, env={faults.VARIABLE: "group=1,step=3"})
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert "FLDP_FAULT kills group 1 at step 3 (unix time" in run.stderr
+    assert "died (signal SIGKILL)" in run.stderr
+    assert [r["step"] for r in read_rows(tmp_path / "run")] == [1, 2, 3]
 
 
 def test_the_lighthouse_dying_ends_the_run_clearly(tmp_path):
@@ -187,7 +199,7 @@ def test_the_lighthouse_dying_ends_the_run_clearly(tmp_path):
     (["algorithm=fl_fsdp", "topology=local_4", "algorithm.elastic=true", "algorithm.federate=[.*layers.*]"],
      "algorithm.federate"),
 ])
-def test_elastic_federation_refuses_what_it_cannot_do_before_any_worker_starts(tmp_path, overrides, named):
-    run = cli(*overrides, *QUICK, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, timeout=60)
-    assert run.returncode == 2, run.stderr[-2000:]
-    assert named in run.stderr and not (tmp_path / "run").exists()
+def test_elastic_federation_refuses_what_it_cannot_do_before_any_worker_starts(overrides, named):
+    """The check `fldp.train.cli` runs before Hydra writes anything (exit 2: tests/test_cli.py)."""
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        precheck(overrides, multirun=False)

@@ -1,0 +1,31 @@
+"""Real failures on purpose, for tests, drills and the elastic benchmark (FLDP_FAULT).
+
+FLDP_FAULT="group=G,step=N[,at=step|aggregation|allreduce|start][,repeat=true]" makes every rank of
+federation group G SIGKILL itself: after step N is recorded (`step`, the default, in any run), or,
+in an elastic run (fldp/elastic.py), as step N's aggregation begins (`aggregation`: before its
+quorum), inside it (`allreduce`: in the quorum, before the all-reduce) or as the group starts
+(`start`, no step). A restarted group's ranks fail again only with repeat=true. Each rank prints
+the moment it dies (unix time) on stderr first: the benchmark's start of a failure.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+VARIABLE = "FLDP_FAULT"
+
+
+def strike(group: int, incarnation: int, step: int | None, at: str) -> None:
+    """SIGKILL this rank if FLDP_FAULT names its group, this point and this step."""
+    spec = os.environ.get(VARIABLE)
+    if not spec:
+        return
+    fields = dict(part.split("=", 1) for part in spec.split(","))
+    if incarnation and fields.get("repeat") != "true":
+        return
+    if int(fields["group"]) == group and fields.get("at", "step") == at and (at == "start" or int(fields["step"]) == step):
+        print(f"fldp: {VARIABLE} kills group {group} at {at} {step} (unix time {time.time():.3f})",
+              file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
