@@ -110,9 +110,6 @@ class Federation:
         self.manager.start_quorum()
         return self.manager.num_participants()
 
-    def participates(self) -> bool:
-        return self.manager.is_participating()
-
     def all_reduce_mean(self, flat: torch.Tensor):
         """The participants' mean into `flat` once the returned work is waited on (a group that
         does not participate sends zeros)."""

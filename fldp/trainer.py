@@ -237,9 +237,9 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None,
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             timer.lap("optimizer")
+            position["step"] = step
             aggregated = fedavg is not None and fedavg.due(step)
             if aggregated:
-                position["step"] = step
                 if member:
                     faults.strike(member.group, member.restart, step, "aggregation")
                 committed = fedavg()
@@ -267,14 +267,13 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None,
             row.update(participants=fedavg.participants, committed=committed)
         if recorder:
             recorder.log(row)
-        position["step"] = step
         faults.strike(rank // shape.group_size, member.restart if member else 0, step, "step")
         if on_step is not None:
             on_step(step, model, aggregated)
         if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step != steps:
             # elastic: each group scores its own model (the groups meet only at aggregations)
             evaluation = eval_row(model, cfg, blocks, device, step, fedavg,
-                                  fedavg is not None and not aggregated and not member, partial and not member)
+                                  fedavg is not None and not aggregated and not member, partial)
             if member and not aggregated:
                 evaluation["eval_of"] = GROUP_MODEL
             if recorder:
@@ -287,7 +286,7 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None,
     if checkpointer is not None:
         checkpointer.finish()  # the last async save, if one is in flight
     # after the last step's forced aggregation every group holds the same model, unless federation is partial
-    final = eval_row(model, cfg, blocks, device, steps, fedavg, groups_differ=False, partial=partial and not member)
+    final = eval_row(model, cfg, blocks, device, steps, fedavg, groups_differ=False, partial=partial)
     if federation is not None:
         federation.shutdown()
     if recorder is None:
