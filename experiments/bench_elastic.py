@@ -23,9 +23,12 @@ Also per seed: the eval perplexity of the elastic run with the failure over the 
 geometric mean over seeds with its 95% t interval. (The static run's resume is exact: its final
 model equals the clean static run's, tests/test_reliability.py.)
 
-    python experiments/bench_elastic.py [--seeds 5] [--out DIR]
+    python experiments/bench_elastic.py [--seeds 5] [--out DIR] [--chart PATH.png]
 
-Writes DIR/results.csv (one row per seed) and prints the table and the ratios.
+Writes DIR/results.csv (one row per seed) and prints the table and the ratios. For the failure-time
+chart (analysis/elastic_timeline.py; --chart draws seed 0's) each seed keeps what the records lack:
+DIR/seed_N/timeline.json (the unix moments of each launch, each kill, the resumed run's first step)
+and static/killed_run_metrics.jsonl (the killed static run's rows, which the resume truncates).
 """
 from __future__ import annotations
 
@@ -46,6 +49,9 @@ from pathlib import Path
 from scipy import stats
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's analysis/
+from analysis.elastic_timeline import KILLED_ROWS, MOMENTS, save_chart  # noqa: E402
+
 COMMON = ["algorithm=fl_fsdp", "topology=local_8", "mesh.federation=4", "mesh.shard=2", "algorithm.every=8",
           "trainer.steps=32", "wandb.mode=disabled", "trainer.progress=false", "trainer.eval_batches=null"]
 GROUP, KILL_STEP, CHECKPOINT_EVERY, WORLD, GROUP_SIZE = 2, 13, 8, 8, 2
@@ -101,12 +107,15 @@ def elastic_loss(clean: Path, failed: Path, stderr: str) -> dict:
             "time_heal": heal["time_heal"]}
 
 
-def static_loss(run_dir: Path, seed: int) -> dict:
-    """The kill, then the resume, its step 9 timed as its row appears."""
-    killed, _ = train(run_dir, f"seed={seed}", f"trainer.checkpoint_every={CHECKPOINT_EVERY}", fault=True, check=False)
+def static_loss(run_dir: Path, seed: int, moments: dict) -> dict:
+    """The kill, then the resume, its step 9 timed as its row appears; `moments` receives the unix
+    times the chart needs."""
+    killed, began = train(run_dir, f"seed={seed}", f"trainer.checkpoint_every={CHECKPOINT_EVERY}", fault=True,
+                          check=False)
     if killed.returncode == 0:
         raise SystemExit("the static run was not killed")
     kill = killed_at(killed.stderr)
+    (run_dir / KILLED_ROWS).write_text((run_dir / "metrics.jsonl").read_text())
     redo = [r for r in rows(run_dir) if "split" not in r and CHECKPOINT_EVERY < r["step"] <= KILL_STEP]
     discarded = sum(r["time_step"] for r in redo)
     seen: dict = {}
@@ -123,11 +132,14 @@ def static_loss(run_dir: Path, seed: int) -> dict:
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    train(run_dir, f"seed={seed}", f"trainer.checkpoint_every={CHECKPOINT_EVERY}", "trainer.resume=auto")
+    _, relaunched = train(run_dir, f"seed={seed}", f"trainer.checkpoint_every={CHECKPOINT_EVERY}",
+                          "trainer.resume=auto")
     seen.setdefault("at", None)
     watcher.join(timeout=1)
     if seen.get("at") is None:
         raise SystemExit("the resumed run's step 9 was not seen")
+    moments.update(started=began, killed=kill, relaunched=relaunched, resumed_from=CHECKPOINT_EVERY,
+                   first_step_seen=seen["at"])
     restart = seen["at"] - seen["step_s"] - kill
     return {"static_lost": WORLD * (discarded + restart), "static_discarded_s": discarded, "static_restart_s": restart}
 
@@ -136,6 +148,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--out", type=Path, default=None, help="where the runs and results.csv go (default: a temporary dir)")
+    ap.add_argument("--chart", type=Path, default=None, help="draw seed 0's failure-time chart to this PNG")
     args = ap.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="bench_elastic_"))
     out.mkdir(parents=True, exist_ok=True)
@@ -143,9 +156,11 @@ def main() -> None:
     for seed in range(args.seeds):
         base = out / f"seed_{seed}"
         clean, _ = train(base / "clean", f"seed={seed}", "algorithm.elastic=true")
-        failed, _ = train(base / "elastic", f"seed={seed}", "algorithm.elastic=true", fault=True)
+        failed, began = train(base / "elastic", f"seed={seed}", "algorithm.elastic=true", fault=True)
+        moments = {"elastic": {"started": began, "killed": killed_at(failed.stderr)}, "static": {}}
         row = {"seed": seed, **elastic_loss(base / "clean", base / "elastic", failed.stderr),
-               **static_loss(base / "static", seed)}
+               **static_loss(base / "static", seed, moments["static"])}
+        (base / MOMENTS).write_text(json.dumps(moments, indent=1) + "\n")
         ppl = [json.loads((base / d / "summary.json").read_text())["eval_perplexity"] for d in ("clean", "elastic")]
         row.update(clean_ppl=ppl[0], elastic_ppl=ppl[1], ratio_lost=row["static_lost"] / row["elastic_lost"])
         results.append(row)
@@ -166,6 +181,8 @@ def main() -> None:
         print(f"{name}: geometric mean {math.exp(mean):.3f} [95% t interval {math.exp(mean - half):.3f}, "
               f"{math.exp(mean + half):.3f}] over {len(logs)} seeds (min {min(values):.3f}, max {max(values):.3f})")
     print(f"goal: work lost static / elastic >= {GOAL}; records in {out}")
+    if args.chart:
+        print(f"failure-time chart of seed 0: {save_chart(out, 0, args.chart)}")
 
 
 if __name__ == "__main__":

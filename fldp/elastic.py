@@ -13,9 +13,11 @@ Why a restarted group contributes nothing to the aggregation it heals at (torchf
 participation: only groups at the highest committed step take part): it did no inner steps since
 that aggregation, and sending its peer's copy would count the peer twice.
 
-The launcher (`run_local`) starts the lighthouse and each group's ranks, restarts a failed group up
-to `cluster.max_restarts` times, and ends the run clearly when the lighthouse dies, a group fails
-more often than that, or a group fails with no live peer left to heal from.
+The launcher starts the lighthouse and each group, restarts a failed group up to
+`cluster.max_restarts` times, and ends the run clearly when the lighthouse dies, a group fails more
+often than that, or a group fails with no live peer left to heal from: `run_local` forks each group's
+ranks (on emulated nodes too); under SLURM, `run_slurm`, the one task of the run's job, starts each
+group as a job step of that job (fldp.group_step).
 """
 from __future__ import annotations
 
@@ -58,9 +60,9 @@ def check(cfg) -> None:
     if cfg.algorithm.get("aggregation") != "fedavg":
         raise ConfigError(f"algorithm.elastic=true: algorithm={cfg.algorithm.name} has no federation "
                           "dimension to be elastic in (fl_fsdp, fl_hsdp, diloco_hsdp have)")
-    if cfg.cluster.get("launcher", "local") != "local" or cfg.cluster.name == "simulate":
-        raise ConfigError(f"algorithm.elastic=true on cluster={cfg.cluster.name}: elastic federation runs on "
-                          "the local launcher (cluster=local) so far; SLURM job steps per group are not built yet")
+    if cfg.cluster.name == "simulate":
+        raise ConfigError("algorithm.elastic=true on cluster=simulate: the simulator runs every group in one "
+                          "process, with nothing to fail apart")
     if cfg.topology.device != "cpu":
         raise ConfigError(f"algorithm.elastic=true on topology.device={cfg.topology.device}: only gloo (cpu) "
                           "is supported so far")
@@ -73,11 +75,9 @@ def check(cfg) -> None:
         raise ConfigError(f"algorithm.elastic=true with trainer.checkpoint_every={cfg.trainer.checkpoint_every}, "
                           f"trainer.resume={cfg.trainer.resume}: a failed group heals from a live peer; "
                           "checkpoints of elastic runs are not built yet")
-    from . import netns
-
-    if netns.enabled(cfg.topology) or cfg.comm.emulate:
-        raise ConfigError(f"algorithm.elastic=true on topology={cfg.topology.name}: emulated nodes are not "
-                          "supported with elastic federation yet (nor comm.emulate)")
+    if cfg.comm.emulate:
+        raise ConfigError("algorithm.elastic=true with comm.emulate=true: the sleeps stand for the static "
+                          "collectives only; emulate the network with a netns topology (e.g. topology=netns_4x2)")
 
 
 class Federation:
@@ -91,6 +91,7 @@ class Federation:
         self.member = member
         self.tracked = None
         self.healed_from: int | None = None  # the peer group whose state this group last loaded
+        self.healed = False  # whether it loaded one in the last aggregation
         timeout = timedelta(seconds=timeout_s)
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self._load, state_dict=self._state,
@@ -106,7 +107,9 @@ class Federation:
         self.tracked = (model, optimizer, scheduler, fedavg, position)
 
     def quorum(self) -> int:
-        """Join this aggregation's quorum (a restarted group heals in it); the participants."""
+        """Join this aggregation's quorum (a group behind the others heals in it: one restarted,
+        or one cut off from them for a while); the participants."""
+        self.healed = False
         self.manager.start_quorum()
         return self.manager.num_participants()
 
@@ -153,7 +156,7 @@ class Federation:
         scheduler.load_state_dict(state["scheduler"])
         fedavg.load_state_dict(state["fedavg"])
         position["step"] = state["step"]
-        self.healed_from = state["group"]
+        self.healed_from, self.healed = state["group"], True
 
 
 def _local(t):
@@ -186,14 +189,16 @@ def quiet_torchft() -> None:
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 
-# ---- the local launcher: the lighthouse and the groups, each group restarted when it fails ----
+# ---- the launchers: the lighthouse and the groups, each group restarted when it fails ----
 
-def _lighthouse(out, parent: int) -> None:
+def _lighthouse(out, parent: int, network) -> None:
     from . import launch
 
     signal.signal(signal.SIGTERM, launch._exit_on_signal)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     launch._die_with_parent(parent)
+    if network is not None:  # on the first node, as under SLURM
+        network.enter(0)
     from torchft.coordination import LighthouseServer
 
     server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=int(JOIN_TIMEOUT_S * 1000),
@@ -204,10 +209,12 @@ def _lighthouse(out, parent: int) -> None:
 
 
 class _Group:
-    """One federation group's ranks: started, watched, stopped and restarted together."""
+    """One federation group's processes (its forked ranks, or the srun of its job step): started,
+    watched, stopped and restarted together. `cause()`: what its failure said."""
 
     def __init__(self, index: int):
-        self.index, self.restart, self.procs, self.errors = index, 0, [], None
+        self.index, self.restart, self.procs = index, 0, []
+        self.cause = lambda: None
 
     @property
     def finished(self) -> bool:
@@ -217,11 +224,49 @@ class _Group:
         return [p for p in self.procs if p.exitcode is None]
 
 
-def run_local(fn, args: tuple, shape, cluster_cfg, run_dir: str) -> None:
+def run_local(fn, args: tuple, shape, cluster_cfg, run_dir: str, network=None) -> None:
     """Fork the lighthouse and every group's ranks; fn(*args, member, device) on each rank, whose
     process group is its own group's world. A group that fails is stopped, recorded in
     run_dir/elastic_events.jsonl and restarted (cluster.max_restarts times at most) while another
-    group is still training; raises WorkerError when it cannot be, or the lighthouse dies."""
+    group is still training; raises WorkerError when it cannot be, or the lighthouse dies.
+
+    `network` (fldp.netns.Network): emulated nodes, created here and removed when this returns or
+    raises; the lighthouse runs on node 0, each rank on the node of its place in the whole run."""
+    from . import launch
+
+    ctx = launch.mp.get_context("fork")
+
+    def start(group: _Group, lighthouse: str) -> None:
+        place = group.index * shape.group_size  # the group's first rank in the whole run
+        if network is None:
+            addr = cluster_cfg.master_addr
+            port = launch.free_port(addr)
+        else:  # the group's first node, a port no other group or incarnation has used there
+            addr = network.address(network.node_of(place))
+            port = network.port + 1 + group.index + shape.federation * group.restart
+        member = Member(group.index, group.restart, lighthouse)
+        errors = ctx.SimpleQueue()
+        group.procs = [ctx.Process(target=launch._local_worker, name=f"fldp-group{group.index}-rank{i}", args=(
+            i, fn, (*args, member), shape.group_size, addr, port, "cpu", cluster_cfg.timeout_s,
+            cluster_cfg.threads_per_worker, errors, os.getpid(), network, place))
+            for i in range(shape.group_size)]
+        for p in group.procs:
+            p.start()
+        # the first report: its peers in the group fail after it, of the lost connection
+        group.cause = lambda: next(iter(sorted(launch._drain(errors))), (None, None, None))[2]
+
+    if network is not None:
+        network.create()
+    try:
+        _supervise(start, shape, cluster_cfg, run_dir, network)
+    finally:
+        if network is not None:
+            network.destroy()
+
+
+def _supervise(start, shape, cluster_cfg, run_dir: str, network=None) -> None:
+    """Fork the lighthouse, start(group, lighthouse address) every group, and watch them to the end:
+    a group that fails is stopped, recorded and started again while it may be."""
     from . import launch
 
     quiet_torchft()
@@ -229,22 +274,15 @@ def run_local(fn, args: tuple, shape, cluster_cfg, run_dir: str) -> None:
     ctx = launch.mp.get_context("fork")
     events = Path(run_dir) / "elastic_events.jsonl"
     out = ctx.SimpleQueue()
-    lighthouse = ctx.Process(target=_lighthouse, name="fldp-lighthouse", args=(out, os.getpid()), daemon=True)
+    lighthouse = ctx.Process(target=_lighthouse, name="fldp-lighthouse", args=(out, os.getpid(), network),
+                             daemon=True)
     groups = [_Group(g) for g in range(shape.federation)]
     every = [lighthouse]  # every process started, for the interrupt handler
     restart_failed = cluster_cfg.get("restart_failed_groups", True)
     max_restarts = cluster_cfg.get("max_restarts", 3)
 
-    def start(group: _Group, address: str) -> None:
-        addr = cluster_cfg.master_addr
-        port = launch.free_port(addr)
-        member = Member(group.index, group.restart, address)
-        group.errors = ctx.SimpleQueue()
-        group.procs = [ctx.Process(target=launch._local_worker, name=f"fldp-group{group.index}-rank{i}", args=(
-            i, fn, (*args, member), shape.group_size, addr, port, "cpu", cluster_cfg.timeout_s,
-            cluster_cfg.threads_per_worker, group.errors, os.getpid(), None)) for i in range(shape.group_size)]
-        for p in group.procs:
-            p.start()
+    def begin(group: _Group, address: str) -> None:
+        start(group, address)
         every.extend(group.procs)
 
     with launch._Interrupts(every) as interrupts:
@@ -252,7 +290,7 @@ def run_local(fn, args: tuple, shape, cluster_cfg, run_dir: str) -> None:
             lighthouse.start()
             address = out.get()
             for group in groups:
-                start(group, address)
+                begin(group, address)
             while not interrupts.signum:
                 if lighthouse.exitcode is not None:
                     raise WorkerError(f"the torchft lighthouse died (exit code {lighthouse.exitcode}): "
@@ -260,11 +298,12 @@ def run_local(fn, args: tuple, shape, cluster_cfg, run_dir: str) -> None:
                 failed = next(((g, p) for g in groups for p in g.procs if p.exitcode not in (None, 0)), None)
                 if failed:
                     _failed(*failed, groups, events, restart_failed, max_restarts, launch)
-                    start(failed[0], address)
+                    begin(failed[0], address)
                     continue
                 if all(g.finished for g in groups):
                     break
-                wait([lighthouse.sentinel, *(p.sentinel for g in groups for p in g.alive())], timeout=1.0)
+                wait([lighthouse.sentinel, *(p.sentinel for g in groups for p in g.alive() if p.sentinel)],
+                     timeout=1.0)
         finally:
             launch._stop([p for p in every if p.pid is not None])
     if interrupts.signum:
@@ -272,18 +311,18 @@ def run_local(fn, args: tuple, shape, cluster_cfg, run_dir: str) -> None:
 
 
 def _failed(group: _Group, proc, groups: list, events: Path, restart_failed: bool, max_restarts: int, launch) -> None:
-    """A rank of `group` died: stop the group's others and record it; raise if it is not restarted."""
+    """A process of `group` died: stop the group's others and record it; raise if it is not restarted."""
     rank, noticed = group.procs.index(proc), time.time()
     time.sleep(launch._GRACE_S)  # its peers in the group fail next: let the first error arrive
     launch._stop(group.alive())
-    reports = sorted(launch._drain(group.errors))
     code = proc.exitcode
     how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-    cause = reports[0][2] if reports else f"rank {rank} died ({how}) without a Python error"
+    what = f"rank {rank}" if len(group.procs) > 1 else "its job step"
+    cause = group.cause() or f"{what} died ({how}) without a Python error"
     others_running = any(not g.finished for g in groups if g is not group)
     restarting = restart_failed and group.restart < max_restarts and others_running
     event = {"event": "failure", "time": noticed, "group": group.index, "incarnation": group.restart,
-             "rank": rank, "exit": how, "restarted": restarting}
+             "rank": rank if len(group.procs) > 1 else None, "exit": how, "restarted": restarting}
     with contextlib.suppress(OSError):  # a disk that refuses it: the failure is still reported, below or by a heal row
         with events.open("a") as f:
             f.write(json.dumps(event) + "\n")
@@ -293,3 +332,74 @@ def _failed(group: _Group, proc, groups: list, events: Path, restart_failed: boo
                if group.restart >= max_restarts else "no other group is left to heal it from")
         raise WorkerError(f"federation group {group.index} failed and is not restarted ({why}):\n{cause}")
     group.restart += 1
+
+
+# ---- under SLURM: each group a job step of the run's one job, the lighthouse on its first node ----
+
+class _Step:
+    """A group's job step, as the supervisor watches a process: its srun."""
+
+    def __init__(self, popen):
+        self.popen, self.pid = popen, popen.pid
+        try:  # readable when srun exits: the supervisor waits on it with the lighthouse's sentinel
+            self.sentinel = os.pidfd_open(popen.pid)
+        except (AttributeError, OSError):
+            self.sentinel = None  # polled every second instead
+
+    @property
+    def exitcode(self):
+        code = self.popen.poll()
+        if code is not None and self.sentinel is not None:
+            os.close(self.sentinel)
+            self.sentinel = None
+        return code
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+    def terminate(self) -> None:
+        self.popen.terminate()  # srun passes SIGTERM to the step's tasks and ends the step
+
+    def kill(self) -> None:
+        self.popen.kill()
+
+    def join(self, timeout: float | None = None) -> None:
+        with contextlib.suppress(Exception):
+            self.popen.wait(timeout)
+        self.exitcode  # noqa: B018  (closes the sentinel)
+
+
+def run_slurm(cfg, run_dir: str, shape) -> None:
+    """Inside the run's SLURM job, on its first node (the one task of the step submitit started):
+    the lighthouse here, each federation group one job step (`srun`, fldp.group_step), a failed
+    step started again. Each step's output goes to RUN_DIR/elastic_logs/."""
+    import pickle
+    import subprocess
+
+    from .slurm import group_step_command, group_step_port
+
+    logs = Path(run_dir) / "elastic_logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    spec = logs / "run.pkl"  # what every group step trains: this run's config and directory
+    spec.write_bytes(pickle.dumps((cfg, run_dir)))
+    job_id = int(os.environ["SLURM_JOB_ID"])
+
+    def start(group: _Group, lighthouse: str) -> None:
+        log_path = logs / f"group_{group.index}.restart_{group.restart}.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_STEP_", "SLURM_NTASKS", "MASTER_"))}
+        # each group's store on its own first node (fldp.launch.rendezvous), at a port of its own
+        env["MASTER_PORT"] = str(group_step_port(shape, job_id, group.index, group.restart))
+        with log_path.open("w") as out:
+            popen = subprocess.Popen(group_step_command(shape, cfg.topology, group.index, group.restart, spec, lighthouse),
+                                     stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        group.procs = [_Step(popen)]
+        group.cause = lambda: _tail(log_path)
+
+    _supervise(start, shape, cfg.cluster, run_dir)
+
+
+def _tail(path: Path, lines: int = 30) -> str | None:
+    with contextlib.suppress(OSError):
+        text = path.read_text(errors="replace").strip()
+        return "\n".join(text.splitlines()[-lines:]) or None
+    return None

@@ -107,7 +107,10 @@ def _exit_on_signal(signum, frame):
 FORKED = False  # True in a worker run_local forked (summary.json: which network joined the ranks)
 
 
-def _local_worker(index, fn, args, world, addr, port, device_type, timeout_s, threads, errors, parent, network):
+def _local_worker(index, fn, args, world, addr, port, device_type, timeout_s, threads, errors, parent, network,
+                  place=0):
+    """Rank `index` of a world of `world`; on emulated nodes it runs on the node of rank
+    `place + index` of the whole run (an elastic run's group is a world of its own)."""
     global FORKED
     FORKED = True
     # The launcher stops a worker with SIGTERM. Exiting from a Python handler, which runs between
@@ -120,7 +123,7 @@ def _local_worker(index, fn, args, world, addr, port, device_type, timeout_s, th
     _die_with_parent(parent)
     try:
         if network is not None:  # before any socket or thread: they would stay in the host's namespace
-            network.enter(index)
+            network.enter(place + index)
         # Each of the N workers gets its own slice of the cores.
         torch.set_num_threads(threads)
         os.environ.update(RANK=str(index), WORLD_SIZE=str(world), LOCAL_RANK=str(index),

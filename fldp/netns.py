@@ -35,6 +35,7 @@ SUBNET = "10.77.0"         # addresses exist only inside the run's namespaces
 PORT = 29500               # rendezvous port on rank 0's node: its namespace is new, so the port is free
 _CLONE_NEWNET = 0x40000000
 _CLONE_NEWNS = 0x00020000
+_CLONE_NEWUTS = 0x04000000
 _MS_BIND, _MS_REC, _MS_SLAVE = 0x1000, 0x4000, 0x80000
 _RUN_DIR = "/run/netns"    # where `ip netns` keeps the namespaces' names
 _ETC_DIR = "/etc/netns"    # per-namespace files `ip netns exec` mounts over /etc (here: hosts)
@@ -277,6 +278,13 @@ class Network:
         finally:
             os.close(fd)
         os.environ["GLOO_SOCKET_IFNAME"] = IFACE
+        # the node's name as this process's host name, as on a cluster: torchft advertises its
+        # servers (manager, checkpoint transport, lighthouse) by host name, which the hosts file
+        # below resolves to the node's address in every namespace
+        name = self.namespace(self.node_of(rank)).encode()
+        if libc.unshare(_CLONE_NEWUTS) != 0 or libc.sethostname(name, len(name)) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"host name {name.decode()} for an emulated node: {os.strerror(err)}")
         # the node's hosts file over /etc/hosts, in a mount namespace of this process alone (as `ip
         # netns exec` does; nothing propagates back to the machine's mounts). Only names depend on it:
         # if it fails, c10d warns about unnamed peers and the run goes on.

@@ -14,6 +14,9 @@ from pathlib import Path
 # the command that started the run, set by fldp.train.cli; forked workers and SLURM jobs inherit it
 COMMAND_VARIABLE = "FLDP_COMMAND"
 PACKAGES = ("fldp", "torch", "transformers", "hydra-core", "omegaconf", "datasets")
+# the machine's name, read when fldp is imported (in the launcher, before it forks): a worker on an
+# emulated node (fldp.netns) carries its node's name instead
+HOST = socket.gethostname()
 
 
 def record_command(args: list[str]) -> None:
@@ -29,7 +32,7 @@ def provenance() -> dict:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             versions[name] = None
-    return {"command": os.environ.get(COMMAND_VARIABLE), "host": socket.gethostname(),
+    return {"command": os.environ.get(COMMAND_VARIABLE), "host": HOST,
             "python": platform.python_version(), "versions": versions}
 
 

@@ -243,7 +243,7 @@ KEYS: dict[str, Spec] = {
     "cluster.master_port": Int(ge=1, le=65535, null=True, optional=True),
     "cluster.timeout_s": Num(gt=0, optional=True),
     "cluster.threads_per_worker": Int(ge=1, optional=True),
-    # elastic federation (fldp/elastic.py): the local launcher restarts a failed group
+    # elastic federation (fldp/elastic.py): the launcher restarts a failed group (a job step under SLURM)
     "cluster.restart_failed_groups": Bool(optional=True),
     "cluster.max_restarts": Int(ge=0, optional=True),
     # cluster=simulate (fldp/simulate.py): one process, no ranks

@@ -54,7 +54,7 @@ def run_rank(cfg, run_dir: str, run):
     if os.environ.get("TORCH_NCCL_DUMP_ON_TIMEOUT") == "1":  # the flight recorder's dumps: in the run dir
         Path(run_dir, "flight_recorder").mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(Path(run_dir, "flight_recorder", "rank_")))
-    if not cfg.cluster.get("max_requeue"):
+    if not requeues(cfg):
         return run(cfg, run_dir)
     cfg.trainer.resume = "auto"
     checkpoint.stop_on(WARNING_SIGNAL)  # replaces submitit's handler, which requeues without a checkpoint
@@ -66,6 +66,12 @@ def run_rank(cfg, run_dir: str, run):
 
 # submitit asks SLURM for this signal cluster.signal_s before the time limit (sbatch --signal)
 WARNING_SIGNAL = signal.SIGUSR2
+
+
+def requeues(cfg) -> bool:
+    """Whether the job checkpoints and requeues itself before its time limit: cluster.max_requeue,
+    but not for elastic federation, which keeps no checkpoints (a failed group heals from a peer)."""
+    return bool(cfg.cluster.get("max_requeue")) and not cfg.algorithm.get("elastic")
 
 
 def requeue(cfg, run_dir: str, step: int):
@@ -82,6 +88,37 @@ def requeue(cfg, run_dir: str, step: int):
         log.warning("SLURM job %s: checkpoint after step %d, requeued (%d of cluster.max_requeue=%d)",
                     job, step, restarts + 1, cfg.cluster.max_requeue)
     raise SystemExit(0)  # no result pickle: the submitter keeps following the job
+
+
+# --- elastic federation: each federation group a job step of the one job (fldp/elastic.py) ------
+
+def group_step_command(shape, topology, group: int, restart: int, spec, lighthouse: str) -> list[str]:
+    """The srun that starts group `group`'s ranks as a job step: on the nodes of its ranks' places in
+    the whole run (node-major), sharing the allocation with the other groups and the supervisor;
+    srun ends the step, and only it, when one of its tasks dies."""
+    ppn = topology.procs_per_node
+    first, last = group * shape.group_size // ppn, ((group + 1) * shape.group_size - 1) // ppn
+    return ["srun", "--overlap", f"--nodes={last - first + 1}", f"--relative={first}",
+            f"--ntasks={shape.group_size}", f"--ntasks-per-node={min(shape.group_size, ppn)}",
+            "--kill-on-bad-exit=1", f"--job-name=fldp-group{group}",
+            sys.executable, "-u", "-m", "fldp.group_step", str(spec), str(group), str(restart), lighthouse]
+
+
+def group_step_port(shape, job_id: int, group: int, restart: int) -> int:
+    """A rendezvous port for each group and incarnation, derived from the job id as the run's own is."""
+    from .launch import _PORT_BASE, _PORT_SPAN
+
+    return _PORT_BASE + job_id % _PORT_SPAN + 1 + group + shape.federation * restart
+
+
+def elastic_plan(cfg, shape: MeshShape, run_dir: str) -> str:
+    """What the dry run shows of an elastic run's job: the supervisor's part and each group's step."""
+    spec = Path(run_dir).absolute() / "elastic_logs" / "run.pkl"
+    steps = "\n".join(shlex.join(group_step_command(shape, cfg.topology, g, 0, spec, "http://FIRST_NODE:PORT"))
+                      for g in range(shape.federation))
+    return (f"--- elastic federation: the job's one task (first node) runs the torchft lighthouse and starts "
+            f"each group as a job step, again when it fails (cluster.max_restarts="
+            f"{cfg.cluster.get('max_restarts', 3)}); MASTER_PORT per group and restart ---\n{steps}")
 
 
 # --- the job's shape --------------------------------------------------------------------------
@@ -127,9 +164,11 @@ def job_parameters(cfg, shape: MeshShape) -> dict:
         "setup": job_setup(c.setup, c.cpus_per_task),
         "additional_parameters": extra_sbatch(c.sbatch, c.exclusive),
     }
-    if c.get("max_requeue"):  # checkpoint and requeue on the warning signal, signal_s before the limit
+    if requeues(cfg):  # checkpoint and requeue on the warning signal, signal_s before the limit
         params["signal_delay_s"] = c.signal_s
         params["additional_parameters"]["requeue"] = True
+    if cfg.algorithm.get("elastic"):  # submitit's step: the supervisor alone, on the first node
+        params["srun_args"] = ["--nodes=1", "--ntasks=1"]
     assert shape.world == t.nodes * t.procs_per_node  # validate() checked it
     return {k: v for k, v in params.items() if v is not None}
 
@@ -157,12 +196,14 @@ def sbatch_script(params: dict, job_folder: Path) -> str:
     paths, its 90 s warning signal, append mode, its wckey); tests/test_slurm.py compares it with the
     script submitit really submitted for a job."""
     log_file = str(job_folder / "%j_%t_log")  # submitit's per-task logs; sbatch's own are task 0's
-    options = {k: v for k, v in params.items() if k not in ("setup", "signal_delay_s", "additional_parameters")}
+    options = {k: v for k, v in params.items()
+               if k not in ("setup", "signal_delay_s", "additional_parameters", "srun_args")}
     options.update(signal=f"USR2@{params.get('signal_delay_s', 90)}", output=log_file.replace("%t", "0") + ".out",
                    error=log_file.replace("%t", "0") + ".err", open_mode="append", wckey="submitit")
     options.update(params.get("additional_parameters") or {})
     flags = sorted((key.replace("_", "-"), value) for key, value in options.items())
-    srun = ["srun", "--unbuffered", "--output", f"{log_file}.out", "--error", f"{log_file}.err"]
+    srun = ["srun", "--unbuffered", "--output", f"{log_file}.out", "--error", f"{log_file}.err",
+            *params.get("srun_args", [])]
     return "\n".join([
         "#!/bin/bash", "", "# Parameters",
         *(f"#SBATCH --{flag}" if value is True else f"#SBATCH --{flag}={shlex.quote(str(value))}"
@@ -229,7 +270,9 @@ def submit(cfg, run_dir: str, shape: MeshShape, run, sweep_point: bool = False) 
     if cfg.cluster.dry_run:
         print(f"fldp: dry run (cluster={cfg.cluster.name}): nothing submitted\n{describe(cfg, shape, params)}\n"
               f"records: {Path(run_dir).absolute()}\n--- sbatch script ---\n"
-              f"{sbatch_script(params, job_folder_of(cfg, run_dir))}\n{preflight.report(found)}", flush=True)
+              f"{sbatch_script(params, job_folder_of(cfg, run_dir))}\n"
+              + (f"{elastic_plan(cfg, shape, run_dir)}\n" if cfg.algorithm.get("elastic") else "")
+              + preflight.report(found), flush=True)
         return None
     if found := [*preflight.no_slurm(cfg), *found]:
         raise ConfigError(f"nothing submitted; {preflight.report(found)}")

@@ -181,7 +181,11 @@ def run(cfg: DictConfig, run_dir: str, sweep_point: bool = False) -> dict | None
             if cfg.algorithm.get("elastic"):
                 from . import elastic
 
-                elastic.run_local(_group_rank, (cfg, run_dir, blocks), shape, cfg.cluster, run_dir)
+                if cfg.cluster.get("launcher") == "slurm":  # the supervisor, inside the run's one job
+                    elastic.run_slurm(cfg, run_dir, shape)
+                else:
+                    elastic.run_local(_group_rank, (cfg, run_dir, blocks), shape, cfg.cluster, run_dir,
+                                      network=netns.from_config(cfg))
             else:
                 launch.run_local(_rank, (cfg, run_dir, blocks), shape.world, cfg.topology.device, cfg.cluster,
                                  network=netns.from_config(cfg))

@@ -209,7 +209,8 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None,
     elif on_step is not None and heal:
         on_step(start, model, True)  # healed: the weights of that step's aggregation
 
-    batches = RankBatches(blocks.train, cfg.trainer.batch_size, rank, world, cfg.seed).stream(start)
+    batches_from = RankBatches(blocks.train, cfg.trainer.batch_size, rank, world, cfg.seed).stream
+    batches = batches_from(start)
     tokens_per_step = world * cfg.trainer.batch_size * blocks.train.shape[1]
     records = run_dir if not member or member.group == 0 else str(Path(run_dir) / f"group_{member.group}")
     recorder = (Recorder(records, cfg, steps, cfg.trainer.progress and rank == 0, resume_from=start)
@@ -224,7 +225,9 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None,
     meter = CommMeter(mesh, emulated) if cfg.comm.measure or cfg.comm.emulate else None
     counted = [f"{kind}_{d}" for kind in ("bytes", "collectives") for d in DIMS] if meter else []
 
-    for step in range(start + 1, steps + 1):
+    step = start
+    while step < steps:
+        step += 1
         with meter or contextlib.nullcontext():
             timer.start()
             x = next(batches).to(device)
@@ -268,6 +271,14 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None,
         if recorder:
             recorder.log(row)
         faults.strike(rank // shape.group_size, member.restart if member else 0, step, "step")
+        if aggregated and federation is not None and federation.healed:
+            # a group cut off from the others (its link, for a while) rejoined behind them: it now
+            # holds their state at their step, and trains on from there
+            heal = heal_row(fedavg, federation, position, member, committed, timer.times["aggregation"])
+            if recorder:
+                recorder.log(heal)
+            step = position["step"]
+            batches = batches_from(step)
         if on_step is not None:
             on_step(step, model, aggregated)
         if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step != steps:
@@ -310,15 +321,20 @@ def rejoin(fedavg, federation, position: dict, member) -> dict:
     result, like them. The heal row for the records."""
     began = time.perf_counter()
     committed = fedavg()
-    # torchft spreads a group's ranks over the live peers: each rank names the group it copied from
-    sources: list = [None] * dist.get_world_size()
-    dist.all_gather_object(sources, federation.healed_from)
-    if None in sources:
+    if not federation.healed:
         raise RuntimeError(f"federation group {member.group} restarted, but no live group was left to heal "
                            "from: every other group has finished or failed")
+    return heal_row(fedavg, federation, position, member, committed, time.perf_counter() - began)
+
+
+def heal_row(fedavg, federation, position: dict, member, committed: bool, time_heal: float) -> dict:
+    """The records' row of a heal (a group collective): the step it healed at, and the group each
+    rank copied from (torchft spreads a group's ranks over the live peers)."""
+    sources: list = [None] * dist.get_world_size()
+    dist.all_gather_object(sources, federation.healed_from)
     return {"split": "heal", "step": position["step"], "group": member.group, "restart": member.restart,
             "healed_from": sources, "participants": fedavg.participants, "committed": committed,
-            "time_heal": time.perf_counter() - began, "healed_at": time.time()}  # unix time: when it rejoined
+            "time_heal": time_heal, "healed_at": time.time()}  # unix time: when it rejoined
 
 
 def run_summary(cfg, shape, fedavg_cfg, steps: int, world: int, tokens_per_step: int, train_time: float,

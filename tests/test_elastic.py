@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import QUICK, cli, compose_cfg, identical, read_rows, train_world
-from fldp import elastic, faults
+from conftest import QUICK, cli, compose_cfg, identical, needs_netns, read_rows, train_world
+from fldp import elastic, faults, netns
 from fldp.data import prepare
 from fldp.errors import ConfigError
 from fldp.mesh import MeshShape
@@ -55,14 +55,16 @@ def _rank(cfg, run_dir, blocks, out, member, device):
     train(cfg, run_dir, blocks, device, on_step=on_step, member=member)
 
 
-def run_elastic(cfg, run_dir: Path, fault: str | None, monkeypatch) -> dict[int, dict]:
-    """An elastic run in forked processes (FLDP_FAULT as given); every group's final weights."""
+def run_elastic(cfg, run_dir: Path, fault: str | None, monkeypatch, network=None) -> dict[int, dict]:
+    """An elastic run in forked processes (FLDP_FAULT as given; on emulated nodes if `network`);
+    every group's final weights."""
     if fault:
         monkeypatch.setenv(faults.VARIABLE, fault)
     out = run_dir / "weights"
     out.mkdir(parents=True)
     shape = MeshShape(cfg.mesh.federation, cfg.mesh.replicate, cfg.mesh.shard)
-    elastic.run_local(_rank, (cfg, str(run_dir), prepare(cfg.dataset), str(out)), shape, cfg.cluster, str(run_dir))
+    elastic.run_local(_rank, (cfg, str(run_dir), prepare(cfg.dataset), str(out)), shape, cfg.cluster, str(run_dir),
+                      network=network)
     return {g: torch.load(out / f"group_{g}.pt") for g in range(shape.federation)}
 
 
@@ -75,12 +77,15 @@ def steps_of(rows: list[dict]) -> list[int]:
     return [r["step"] for r in rows if "split" not in r]
 
 
-def test_an_elastic_run_without_failures_trains_as_the_static_federation(tmp_path, monkeypatch):
-    """No failure: the same losses as FL+FSDP without elastic (the mean of the groups' own, per
-    step, bit for bit), the same final model, and every aggregation with both groups."""
+@pytest.mark.parametrize("layout", [
+    ["algorithm=fl_fsdp", "topology=local_4"],  # 2x1x2
+    ["algorithm=fl_hsdp", "topology=local_8", "algorithm.fedavg.mode=all_replicas"],  # 2x2x2; DiLoCo's test: leader_broadcast
+], ids=["fl_fsdp", "fl_hsdp-all_replicas"])
+def test_an_elastic_run_without_failures_trains_as_the_static_federation(tmp_path, monkeypatch, layout):
+    """No failure: the same losses as the federation without elastic (the mean of the groups' own,
+    per step, bit for bit), the same final model, and every aggregation with both groups."""
     # the whole held-out split: an evaluation over fewer ranks would otherwise score fewer batches
-    common = ["algorithm=fl_fsdp", "topology=local_4", "trainer.steps=12", "algorithm.every=4",
-              "trainer.eval_batches=null"]
+    common = [*layout, "trainer.steps=12", "algorithm.every=4", "trainer.eval_batches=null"]
     reference = train_world(compose_cfg(*common), tmp_path / "static")
     weights = run_elastic(compose_cfg(*common, "algorithm.elastic=true"), tmp_path / "elastic", None, monkeypatch)
     groups = [[r for r in records(tmp_path / "elastic", g) if "split" not in r] for g in (0, 1)]
@@ -140,6 +145,59 @@ def test_a_group_killed_inside_an_aggregation_leaves_the_others_their_own_weight
     heal = next(r for r in records(tmp_path, 1) if r.get("split") == "heal")
     assert heal["healed_from"] == [0, 0, 0, 0] and heal["participants"] == 1 and heal["step"] % 4 == 0 and 12 <= heal["step"] < 48
     assert identical(weights[1], weights[0])
+
+
+@needs_netns
+def test_a_node_cut_off_for_a_while_is_left_out_and_rejoins_when_its_link_is_back(tmp_path, monkeypatch):
+    """fl_fsdp 4x1x2 on netns_4x2, a group per emulated node. Node 2's link is unplugged at the
+    switch (`ip link set down`) after its step 5 and plugged back once the others have aggregated
+    twice without it. No process dies and none is restarted: the others go on alone (3
+    participants); group 2 waits in its next aggregation's quorum until its link is back, then,
+    behind the others, heals from them, takes their step and trains on; all end identical."""
+    import subprocess
+    import threading
+
+    cfg = compose_cfg("algorithm=fl_fsdp", "topology=netns_4x2", *SHORT, "trainer.steps=48")
+    network = netns.from_config(cfg)
+    port = f"n{network.node_of(2 * 2)}"  # group 2's node's end of its link, at the switch
+    cut = {}
+
+    def steps_done(group: int) -> list[dict]:
+        try:
+            return records(tmp_path, group)
+        except (FileNotFoundError, json.JSONDecodeError):  # not written yet, or a line half written
+            return []
+
+    def unplug_then_plug_back():
+        deadline = time.time() + 200
+        while not any(r.get("step", 0) >= 5 for r in steps_done(2)) and time.time() < deadline:
+            time.sleep(0.02)  # cut between aggregations (steps 6-7 take ~0.5 s), not inside one
+        subprocess.run(["ip", "-n", network.switch, "link", "set", port, "down"], check=True)
+        cut["at"] = time.time()
+        while sum(r.get("participants") == 3 for r in steps_done(0)) < 2 and time.time() < deadline:
+            time.sleep(0.1)
+        subprocess.run(["ip", "-n", network.switch, "link", "set", port, "up"], check=True)
+
+    cutter = threading.Thread(target=unplug_then_plug_back, daemon=True)
+    cutter.start()
+    weights = run_elastic(cfg, tmp_path, None, monkeypatch, network=network)
+    cutter.join()
+    for g in (0, 1, 3):
+        rows = records(tmp_path, g)
+        assert steps_of(rows) == list(range(1, 49)), g
+        participants = [r["participants"] for r in rows if "participants" in r]
+        assert participants[0] == 4 and participants[-1] == 4 and participants.count(3) >= 2, participants
+        assert all(r["committed"] for r in rows if "participants" in r)
+    rows = records(tmp_path, 2)
+    heal = next(r for r in rows if r.get("split") == "heal")
+    before = [r["step"] for r in rows[:rows.index(heal)] if "split" not in r]
+    assert heal["restart"] == 0 and set(heal["healed_from"]) <= {0, 1, 3} and heal["committed"]
+    assert before[-1] % 4 == 0 and before[-1] < heal["step"] and heal["healed_at"] > cut["at"], (before, heal)
+    assert steps_of(rows) == [*range(1, before[-1] + 1), *range(heal["step"] + 1, 49)]
+    for g in (1, 2, 3):
+        assert identical(weights[g], weights[0]), g
+    assert not (tmp_path / "elastic_events.jsonl").exists()  # no group failed
+    assert not [ns for ns in netns.namespaces() if ns.startswith(network.prefix)]
 
 
 def test_a_group_that_fails_again_at_once_is_restarted_a_bounded_number_of_times(tmp_path):

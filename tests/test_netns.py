@@ -19,21 +19,13 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from conftest import cli, cluster, compose_cfg, read_rows
+from conftest import cli, cluster, compose_cfg, needs_netns, read_rows
 from fldp import netns
 from fldp.cost import Units, crossing_flows, predict, tier_bandwidth
 from fldp.launch import run_local
 from fldp.mesh import ConfigError, MeshShape
 from fldp.train import validate
 
-try:
-    netns.missing_tools("netns tests")
-    REASON = None
-except ConfigError as e:
-    REASON = str(e)
-if os.environ.get("FLDP_REQUIRE_NETNS") == "1" and REASON:
-    raise RuntimeError(f"FLDP_REQUIRE_NETNS=1 but {REASON}")
-needs_netns = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 
 FAST = ["wandb.mode=disabled", "trainer.progress=false", "trainer.eval_batches=1"]
 MB = 2**20

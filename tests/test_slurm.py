@@ -211,6 +211,20 @@ def test_dry_run_prints_the_checkpoint_size(algorithm, outer, per_param):
     assert disk == pytest.approx(PARAMS_8B * per_param * int(groups) * 3, rel=5e-3)  # 2 kept + 1 being written
 
 
+def test_an_elastic_runs_dry_run_shows_the_supervisor_and_each_groups_job_step(tmp_path):
+    """One job; submitit's step is the supervisor alone (one task, first node), which starts each
+    federation group as a job step on its own nodes; no time-limit requeue (no checkpoints)."""
+    run = cli("algorithm=fl_hsdp", "topology=slurm_2x4", "algorithm.elastic=true", *QUICK, "cluster=slurm",
+              "cluster.dry_run=true", SHARED_TMP, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = run.stdout
+    assert re.search(r"^srun .* --nodes=1 --ntasks=1 \S+python\S* -u -m submitit.core._submit", out, re.M), out
+    assert "#SBATCH --requeue" not in out and "#SBATCH --nodes=2" in out and "#SBATCH --ntasks-per-node=4" in out
+    steps = re.findall(r"^srun --overlap (.*) -m fldp.group_step \S+ (\d) 0 http://FIRST_NODE:PORT$", out, re.M)
+    assert [(g, opts.split()[:4]) for opts, g in steps] == [
+        (str(g), ["--nodes=1", f"--relative={g}", "--ntasks=4", "--ntasks-per-node=4"]) for g in (0, 1)], out
+
+
 def test_without_slurm_a_slurm_run_fails_at_once(tmp_path):
     start = time.monotonic()
     out = cli("algorithm=fl_hsdp", "topology=leonardo_512", f"hydra.run.dir={tmp_path}", cwd=tmp_path,
@@ -380,6 +394,40 @@ def test_a_rank_that_raises_fails_the_job_at_once_with_its_error(tmp_path, idle_
     finally:
         job.cancel(check=False)
     print(f"failing rank reported after {elapsed:.0f} s")
+
+
+@needs_slurm
+def test_an_elastic_runs_failed_group_is_a_job_step_started_again_that_heals_and_rejoins(
+        tmp_path, idle_cluster, token_cache):
+    """algorithm.elastic=true under SLURM: one job, whose one task (first node) runs the torchft
+    lighthouse and starts each federation group as a job step. Every rank of group 1 SIGKILLed after
+    step 3: srun ends that step alone, group 0 trains on; the step is started again, heals from
+    group 0 and trains with it to the end; the job completes. Groups of 2 ranks on 2 nodes: a
+    restarted step spends ~15 s importing and joining, which group 0 outlasts with 400 short steps."""
+    steps = 400
+    run = cli("algorithm=fl_fsdp", "topology=slurm_2x4", "topology.procs_per_node=2", "mesh.federation=2",
+              "mesh.shard=2", "algorithm.elastic=true", f"trainer.steps={steps}", "algorithm.every=8", *QUICK,
+              f"dataset.cache_dir={token_cache}", "cluster=slurm", SHARED_TMP, "cluster.poll_s=1",
+              "cluster.time_min=10", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, timeout=400,
+              env={"FLDP_FAULT": "group=1,step=3"})
+    assert run.returncode == 0, run.stderr[-3000:] + cluster_report()
+    records = tmp_path / "run"
+    events = [json.loads(line) for line in (records / "elastic_events.jsonl").read_text().splitlines()]
+    assert [(e["group"], e["incarnation"], e["exit"], e["restarted"]) for e in events] == [(1, 0, "exit code 137", True)]
+    logs = records / "elastic_logs"
+    assert "FLDP_FAULT kills group 1 at step 3" in (logs / "group_1.restart_0.log").read_text()
+    assert (logs / "group_1.restart_1.log").exists() and not (logs / "group_0.restart_1.log").exists()
+    survivor = read_rows(records)
+    assert [r["step"] for r in survivor] == list(range(1, steps + 1))
+    participants = [r["participants"] for r in survivor if "participants" in r]
+    assert participants[-1] == 2 and 1 in participants, participants
+    rejoined = [json.loads(line) for line in (records / "group_1" / "metrics.jsonl").read_text().splitlines()]
+    heal = next(r for r in rejoined if r.get("split") == "heal")
+    print(f"group 1 healed at step {heal['step']} of {steps}")  # the margin left (shown if the test fails)
+    assert heal["restart"] == 1 and heal["healed_from"] == [0, 0] and heal["step"] < steps
+    assert [r["step"] for r in rejoined if "split" not in r] == [1, 2, 3, *range(heal["step"] + 1, steps + 1)]
+    summary = json.loads((records / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["eval_perplexity"] > 0
 
 
 @needs_slurm
