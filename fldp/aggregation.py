@@ -126,6 +126,9 @@ class FedAvgConfig:
             outer["betas"] = tuple(outer["betas"]) if isinstance(outer["betas"], (list, tuple)) else outer["betas"]
         every = algorithm_cfg.every
         every = OmegaConf.to_container(every) if OmegaConf.is_config(every) else every
+        if every is None:
+            raise ConfigError("algorithm.aggregation=fedavg needs algorithm.every (an integer A >= 1, or a schedule "
+                              "[[0, A0], [step1, A1], ...]); it is null")
         federate = algorithm_cfg.get("federate") or [".*"]
         federate = tuple(OmegaConf.to_container(federate) if OmegaConf.is_config(federate) else federate)
         return cls(every=every, mode=fedavg.get("mode", "leader_broadcast"),

@@ -61,9 +61,20 @@ def mesh_shape(cfg) -> MeshShape:
         raise ConfigError(
             f"mesh.federation x mesh.replicate x mesh.shard = {shape} = {shape.world} ranks, but "
             f"topology={cfg.topology.name} has {world} (topology.nodes={cfg.topology.nodes} x "
-            f"topology.procs_per_node={cfg.topology.procs_per_node})"
+            f"topology.procs_per_node={cfg.topology.procs_per_node}){_layout_source(cfg, dims)}"
         )
     return shape
+
+
+def _layout_source(cfg, dims: list[str]) -> str:
+    """Where a mesh taken from the topology's layouts came from, for an error about it."""
+    from omegaconf import OmegaConf
+
+    raw = OmegaConf.to_container(cfg.mesh, resolve=False) if OmegaConf.is_config(cfg.mesh) else {}
+    if not any("fldp_layout" in str(raw.get(d)) for d in DIMS):  # set by hand: the message names mesh.*
+        return ""
+    key = "_".join(d for d in DIMS if d in dims)
+    return f"; the mesh is topology.layouts.{key}, the layout for algorithm.dims={dims}"
 
 
 def algorithm_dims(algorithm_cfg) -> list[str]:

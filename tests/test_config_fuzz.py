@@ -295,8 +295,8 @@ def culprits(cfg: dict, changed: set) -> set:
         outer = a.get("outer") or {}
         if outer.get("nesterov") is True and outer.get("momentum", 0) == 0:
             bad |= {"algorithm.outer.nesterov", "algorithm.outer.momentum", "algorithm.outer"}
-        if a.get("every") is None:
-            bad.add("algorithm.every")
+        if a.get("every") is None:  # fedavg needs a period: either key is the culprit
+            bad |= {"algorithm.every", "algorithm.aggregation"}
         if a.get("federate") == ["nomatch"]:
             bad.add("algorithm.federate")
     slurm = cfg["cluster"].get("launcher") == "slurm"
