@@ -23,7 +23,7 @@ from .stats import MIN_SEEDS, TIE_HIGH, TIE_LOW
 
 # Summary/config keys that differ between algorithms by design (they ARE the algorithm).
 _ALGORITHM_KEYS = ("algorithm", "federation", "replicate", "shard", "every", "schedule", "aggregation_steps",
-                   "fedavg_mode", "outer", "federate", "config.algorithm.")
+                   "fedavg_mode", "outer", "federate", "fragments", "config.algorithm.")
 
 
 @dataclass

@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 from .mesh import ConfigError, MeshShape
 from .schedule import aggregation_steps, schedule_of
 from .schema import check_values
+from .streaming import StreamingConfig
 
 # What algorithm.outer's null lr / eps mean, per optimiser. sgd: lr 1 (with momentum 0: FedAvg).
 # adam: FedAdam's server lr and tau (= eps) of Reddi et al. 2021, 1e-3 each, with torch's bias
@@ -93,11 +94,19 @@ class FedAvgConfig:
     bucket_mb: float = 25.0
     outer: OuterConfig = field(default_factory=OuterConfig)
     federate: tuple = (".*",)          # regular expressions over parameter names; the rest stays local
+    streaming: StreamingConfig = field(default_factory=StreamingConfig)  # fragments aggregated apart
 
     def __post_init__(self):
         object.__setattr__(self, "schedule", schedule_of(self.every))  # an FL algorithm needs one
         check_values({"algorithm.fedavg.mode": self.mode, "algorithm.fedavg.bucket_mb": self.bucket_mb,
                       "algorithm.federate": list(self.federate)})
+        self.streaming.check_schedule(self.schedule)
+
+    def fragments_due(self, step: int, last_step: int) -> tuple[int, ...]:
+        """The fragments that aggregate after `step` (one fragment, 0, is the whole model)."""
+        if self.streaming.fragments == 1:
+            return (0,) if self.due(step, last_step) else ()
+        return self.streaming.due(step, self.schedule[0][1], last_step)
 
     def due(self, step: int, last_step: int) -> bool:
         """Whether `step` aggregates (aggregation_steps; a binary search, as a run may have many)."""
@@ -132,7 +141,8 @@ class FedAvgConfig:
         federate = algorithm_cfg.get("federate") or [".*"]
         federate = tuple(OmegaConf.to_container(federate) if OmegaConf.is_config(federate) else federate)
         return cls(every=every, mode=fedavg.get("mode", "leader_broadcast"),
-                   bucket_mb=fedavg.get("bucket_mb", 25.0), outer=OuterConfig(**outer), federate=federate)
+                   bucket_mb=fedavg.get("bucket_mb", 25.0), outer=OuterConfig(**outer), federate=federate,
+                   streaming=StreamingConfig.from_algorithm(algorithm_cfg))
 
 
 def shard_signature(model) -> list[tuple]:
@@ -193,16 +203,26 @@ class FedAvg:
                                            for ref, b in zip(self.reference, self.buckets)])
                       if self.leads and not config.outer.averages else None)
 
-    def due(self, step: int) -> bool:
-        """Aggregate on the schedule's steps and at the last step, so all groups end identical."""
-        return self.config.due(step, self.last_step)
+    def due(self, step: int) -> tuple[int, ...]:
+        """The fragments that aggregate after `step` (empty: none; (0,) without streaming): on the
+        schedule's steps, and every fragment at the last step, so all groups end identical."""
+        return self.config.fragments_due(step, self.last_step)
+
+    @property
+    def fragments(self) -> int:
+        return self.config.streaming.fragments
 
     def _buckets(self, bucket_bytes: int) -> list[list[torch.Tensor]]:
-        locals_ = [_local(p) for p in self.params]
-        # FSDP2 can leave a rank an empty shard of a small parameter: nothing to send
-        locals_ = [t for t in locals_ if t.numel()]
-        groups = bucket_indices([(t.numel() * t.element_size(), t.dtype) for t in locals_], bucket_bytes)
-        return [[locals_[i] for i in group] for group in groups]
+        """Buckets of one fragment each (fragment 0's first), in parameter order within it."""
+        fragment = self.config.streaming.fragment_of([n for n, _ in self.named])
+        buckets, self.bucket_fragment = [], []
+        for f in range(self.fragments):
+            # FSDP2 can leave a rank an empty shard of a small parameter: nothing to send
+            locals_ = [_local(p) for p, g in zip(self.params, fragment) if g == f and _local(p).numel()]
+            groups = bucket_indices([(t.numel() * t.element_size(), t.dtype) for t in locals_], bucket_bytes)
+            buckets += [[locals_[i] for i in group] for group in groups]
+            self.bucket_fragment += [f] * len(groups)
+        return buckets
 
     @torch.no_grad()
     def _adopt(self, bucket: list[torch.Tensor], owners: dict) -> torch.Tensor | None:
@@ -265,19 +285,22 @@ class FedAvg:
                                "(model.to(), load_state_dict(assign=True), ...); build FedAvg after it")
 
     @torch.no_grad()
-    def __call__(self, outer_step: bool = True) -> None:
+    def __call__(self, outer_step: bool = True, fragments: tuple[int, ...] | None = None) -> None:
         """Reduce each bucket's flat tensor in place, every bucket's all-reduce in flight at once,
         then finish them in order (10 buckets on the 2-core CPU: median 1.16x one flat all-reduce
         of the same bytes, 1.22x with two in flight). A bucket packed into a reusable buffer (a
         cast to reduce_dtype) first waits for the bucket that last used that buffer, so its packing
         overlaps the reduction of the one before, and nothing is allocated per aggregation.
         outer_step=False: the plain average, whatever the outer optimiser (an evaluation of it).
+        fragments: only these fragments' buckets (algorithm.streaming); None: every bucket.
         Returns whether the aggregation was applied (always, unless elastic and a group failed in it)."""
         self._check_live()
+        chosen = [i for i, f in enumerate(self.bucket_fragment) if fragments is None or f in fragments]
         if self.elastic is not None:
-            return self._elastic(outer_step)
+            return self._elastic(outer_step, chosen)
         pending: collections.deque = collections.deque()
-        for i, bucket in enumerate(self.buckets):
+        for i in chosen:
+            bucket = self.buckets[i]
             flat = self.resident[i]
             if flat is None:
                 while pending and pending[0][0] <= i - 2:  # bucket i - 2 packed into this buffer
@@ -293,14 +316,15 @@ class FedAvg:
             self._finish(*pending.popleft(), outer_step)
         return True
 
-    def _elastic(self, outer_step: bool) -> bool:
+    def _elastic(self, outer_step: bool, chosen: list[int]) -> bool:
         """The aggregation over the groups alive: the quorum (a restarted group heals in it), every
         bucket's mean over the participants, then, only if every group commits, the same outer step
         and unpacking as a static federation's. A group that failed during it leaves every other
         group with its own weights until the next aggregation."""
         self.participants = self.elastic.quorum()
         pending = []
-        for i, bucket in enumerate(self.buckets):
+        for i in chosen:
+            bucket = self.buckets[i]
             flat = torch.empty(sum(t.numel() for t in bucket), dtype=self.reduce_dtype or bucket[0].dtype,
                                device=bucket[0].device)
             if self.reference[i] is None:

@@ -173,16 +173,21 @@ def _schedule_json(schedule: tuple | None) -> list | None:
     return [list(p) for p in schedule] if schedule is not None else None
 
 
-def check_schedule(path: Path, schedule: tuple | None) -> None:
-    """A checkpoint resumes only with the aggregation schedule (FedAvgConfig.schedule) it was saved
-    with: another would make the run neither the saved configuration nor the new one (the steps
-    before the checkpoint aggregated on the old schedule). One from before meta.json held it passes."""
+def check_schedule(path: Path, schedule: tuple | None, fragments: int = 1) -> None:
+    """A checkpoint resumes only with the aggregation schedule (FedAvgConfig.schedule) and streaming
+    fragments it was saved with: another would make the run neither the saved configuration nor the
+    new one (the steps before the checkpoint aggregated on the old schedule), and other fragments
+    have other outer state. One from before meta.json held them passes."""
     meta = json.loads((path / "meta.json").read_text())
     schedule = _schedule_json(schedule)
     if "schedule" in meta and meta["schedule"] != schedule:
         raise ConfigError(f"trainer.resume=auto: {path} was saved with algorithm.every={meta['schedule']}, "
                           f"this run has algorithm.every={schedule}; resume with the same algorithm.every "
                           f"or use a new hydra.run.dir")
+    if meta.get("fragments", 1) != fragments:
+        raise ConfigError(f"trainer.resume=auto: {path} was saved with algorithm.streaming.fragments="
+                          f"{meta.get('fragments', 1)}, this run has {fragments}; resume with the same "
+                          "fragments or use a new hydra.run.dir")
 
 
 class Checkpointer:
@@ -192,9 +197,9 @@ class Checkpointer:
 
     def __init__(self, run_dir: str, shape: MeshShape, algorithm: str, every: int, last_step: int,
                  stateful: dict | None = None, keep_last: int | None = None, async_save: bool = False,
-                 schedule: tuple | None = None):
+                 schedule: tuple | None = None, fragments: int = 1):
         self.stateful = stateful or {}
-        self.schedule = schedule
+        self.schedule, self.fragments = schedule, fragments
         self.root = Path(run_dir) / "checkpoints"
         self.shape, self.algorithm, self.every, self.last_step = shape, algorithm, every, last_step
         self.keep_last, self.async_save = keep_last or None, async_save
@@ -257,7 +262,8 @@ class Checkpointer:
         if self.rank == 0:
             meta = {"step": step, "algorithm": self.algorithm, "federation": self.shape.federation,
                     "replicate": self.shape.replicate, "shard": self.shape.shard,
-                    "schedule": _schedule_json(self.schedule)}
+                    "schedule": _schedule_json(self.schedule),
+                    **({"fragments": self.fragments} if self.fragments > 1 else {})}
             with _writing(path):
                 (path / "meta.json").write_text(json.dumps(meta))
                 _fsync(path / "meta.json")
@@ -280,7 +286,7 @@ class Checkpointer:
     def load(self, path: Path, model, optimizer, scheduler) -> int:
         """Restore this rank from `path`; returns the step it was taken after."""
         check_mesh(path, self.shape)
-        check_schedule(path, self.schedule)
+        check_schedule(path, self.schedule, self.fragments)
         state = self._state(model, optimizer)
         dcp.load(state, checkpoint_id=path / f"group_{self.federation_index}", process_group=self.group)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

@@ -71,6 +71,10 @@ def check(cfg) -> None:
         raise ConfigError(f"algorithm.elastic=true with algorithm.federate={federate}: a healed group's "
                           "parameters kept local would be copied from several peers, rank by rank; partial "
                           "federation is not elastic yet")
+    fragments = (cfg.algorithm.get("streaming") or {}).get("fragments", 1)
+    if fragments != 1:
+        raise ConfigError(f"algorithm.elastic=true with algorithm.streaming.fragments={fragments}: a restarted "
+                          "group heals at a whole-model aggregation; streaming fragments are not elastic yet")
     if cfg.trainer.checkpoint_every or cfg.trainer.resume:
         raise ConfigError(f"algorithm.elastic=true with trainer.checkpoint_every={cfg.trainer.checkpoint_every}, "
                           f"trainer.resume={cfg.trainer.resume}: a failed group heals from a live peer; "

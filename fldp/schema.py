@@ -181,6 +181,12 @@ KEYS: dict[str, Spec] = {
     "algorithm.outer.eps": Num(gt=0, null=True),   # null: the optimiser's own (OUTER_DEFAULTS)
     "algorithm.outer.reduce_dtype": Choice(*REDUCE_DTYPES),
     "algorithm.elastic": Bool(optional=True, when=FEDAVG),
+    # algorithm.streaming (fldp/streaming.py): the model aggregated in fragments, at staggered steps
+    "algorithm.streaming": Section(optional=True, when=FEDAVG),
+    "algorithm.streaming.fragments": Int(ge=1),
+    "algorithm.streaming.layout": Choice("strided", "contiguous"),
+    "algorithm.streaming.overlap": Int(ge=0),
+    "algorithm.streaming.alpha": Num(ge=0, le=1),
     "algorithm.federate": ListOf("a list of regular expressions", item=Spec("a regular expression", _compiles),
                                  optional=True, when=FEDAVG),
     # topology: conf/topology/*.yaml

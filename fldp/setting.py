@@ -42,7 +42,10 @@ def defining(config: dict) -> dict:
     data = config.get("dataset") or {}
     picked["dataset"] = {k: data[k] for k in DATASET_KEYS if k in data}
     picked["topology"] = {"name": (config.get("topology") or {}).get("name")}
-    return {k: v for k, v in flatten(picked).items() if k not in OPERATIONAL}
+    flat = flatten(picked)
+    if flat.get("algorithm.streaming.fragments", 1) == 1:  # one fragment is the whole model, as without streaming
+        flat = {k: v for k, v in flat.items() if not k.startswith("algorithm.streaming.")}
+    return {k: v for k, v in flat.items() if k not in OPERATIONAL}
 
 
 def differences(cfg, reference) -> list[str]:

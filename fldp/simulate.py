@@ -77,9 +77,11 @@ class Simulation:
         if self.fedavg is not None:
             keep = self.fedavg.federated(self.groups.names)
             self.federated = [n for n, k in zip(self.groups.names, keep) if k]
-            if not self.fedavg.outer.averages:  # one bucket: the anchor is group 0's federated weights
-                self.outer = Outer(self.fedavg.outer, [torch.cat([self.groups[n][0].reshape(-1)
-                                                                  for n in self.federated])])
+            # algorithm.streaming: each federated parameter's fragment (one fragment: the whole model)
+            self.fragment = self.fedavg.streaming.fragment_of(self.federated)
+            if not self.fedavg.outer.averages:  # one bucket per fragment: its anchor is group 0's weights
+                self.outer = Outer(self.fedavg.outer, [torch.cat([self.groups[n][0].reshape(-1) for n in names])
+                                                       for names in self.fragment_names()])
         # parameters left out of algorithm.federate stay local: the groups never hold one model
         self.partial = self.fedavg is not None and len(self.federated) < len(self.groups.names)
 
@@ -101,22 +103,30 @@ class Simulation:
 
     # --- aggregation -----------------------------------------------------------------------------
     @torch.no_grad()
-    def average(self) -> list[torch.Tensor]:
-        """The groups' plain average of each federated parameter, summed then divided as the
-        collective does (gloo has no AVG)."""
+    def average(self, names: list[str] | None = None) -> list[torch.Tensor]:
+        """The groups' plain average of each federated parameter (or of `names`), summed then
+        divided as the collective does (gloo has no AVG)."""
         F = self.shape.federation
-        return [self.groups[n].sum(dim=0).div_(F) for n in self.federated]
+        return [self.groups[n].sum(dim=0).div_(F) for n in (self.federated if names is None else names)]
+
+    def fragment_names(self) -> list[list[str]]:
+        """The federated parameters of each fragment, in order."""
+        return [[n for n, f in zip(self.federated, self.fragment) if f == p]
+                for p in range(self.fedavg.streaming.fragments)]
 
     @torch.no_grad()
-    def aggregate(self) -> None:
-        """FedAvg, or the outer step on the average; every group continues from the result."""
-        new = self.average()
-        if self.outer is not None:
-            average = torch.cat([t.reshape(-1) for t in new])
-            anchor = self.outer.step(0, self.outer.anchors[0] - average.float())  # the pseudo-gradient
-            new = list(torch.split(anchor.to(average.dtype), [t.numel() for t in new]))
-        for name, value in zip(self.federated, new):
-            self.groups[name].copy_(value.view(self.groups[name].shape[1:]).expand_as(self.groups[name]))
+    def aggregate(self, fragments: tuple[int, ...]) -> None:
+        """FedAvg, or the outer step on the average, of these fragments; every group continues from
+        the result."""
+        for p in fragments:
+            names = self.fragment_names()[p]
+            new = self.average(names)
+            if self.outer is not None:
+                average = torch.cat([t.reshape(-1) for t in new])
+                anchor = self.outer.step(p, self.outer.anchors[p] - average.float())  # the pseudo-gradient
+                new = list(torch.split(anchor.to(average.dtype), [t.numel() for t in new]))
+            for name, value in zip(names, new):
+                self.groups[name].copy_(value.view(self.groups[name].shape[1:]).expand_as(self.groups[name]))
 
     # --- evaluation ------------------------------------------------------------------------------
     def held_out(self, ranks: int) -> torch.Tensor:
@@ -184,9 +194,10 @@ class Simulation:
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             times["optimizer"] = time.perf_counter() - t0 - times["forward"] - times["backward"]
-            aggregated = self.fedavg is not None and self.fedavg.due(step, steps)
+            due = self.fedavg.fragments_due(step, steps) if self.fedavg is not None else ()
+            aggregated = bool(due)
             if aggregated:
-                self.aggregate()
+                self.aggregate(due)
             step_time = time.perf_counter() - t0
             times["aggregation"] = step_time - sum(times.values()) if aggregated else 0.0
             mean_loss = losses.mean().item()  # every group has R*S ranks: the mean over ranks
@@ -197,9 +208,12 @@ class Simulation:
                    "tokens": step * tokens_per_step, **{f"time_{p}": times[p] for p in PHASES},
                    "time_step": step_time, **{f"critical_{p}": times[p] for p in PHASES},  # one process
                    "aggregated": aggregated}
+            if aggregated and self.fedavg.streaming.fragments > 1:  # as the trainer's rows
+                row["fragments"] = list(due)
             recorder.log(row)
             if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step != steps:
-                recorder.log(self.eval_row(step, self.fedavg is not None and not aggregated))
+                synced = self.fedavg is not None and len(due) == self.fedavg.streaming.fragments
+                recorder.log(self.eval_row(step, self.fedavg is not None and not synced))
         final = self.eval_row(steps, groups_differ=False)
         recorder.log(final)
         summary = run_summary(cfg, shape, self.fedavg, steps, shape.world, tokens_per_step, train_time, row, final,

@@ -46,11 +46,13 @@ def validate(cfg: DictConfig):
     schema.check(cfg)
     shape = mesh_shape(cfg)
     federation = FedAvgConfig.from_algorithm(cfg.algorithm)
-    if federation is not None and federation.federate != (".*",):  # every pattern must name a parameter
+    # every pattern must name a parameter; the model must have a unit for every streaming fragment
+    if federation is not None and (federation.federate != (".*",) or federation.streaming.fragments > 1):
         from .model import build_model, llama_config
 
         model = build_model(llama_config(cfg.model, cfg.model.vocab_size or 8), "meta")
-        federation.federated([name for name, _ in model.named_parameters()])
+        names = [name for name, _ in model.named_parameters()]
+        federation.streaming.fragment_of([n for n, keep in zip(names, federation.federated(names)) if keep])
     from . import elastic
 
     elastic.check(cfg)
@@ -106,7 +108,8 @@ def check_run_dir(cfg, shape, run_dir: str) -> None:
     if saved is not None:
         check_mesh(saved, shape)
         federation = FedAvgConfig.from_algorithm(cfg.algorithm)
-        check_schedule(saved, federation.schedule if federation else None)
+        check_schedule(saved, federation.schedule if federation else None,
+                       federation.streaming.fragments if federation else 1)
 
 
 def check_not_another_run(cfg, run_dir: str) -> None:

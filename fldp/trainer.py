@@ -200,7 +200,8 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None,
         checkpointer = Checkpointer(run_dir, shape, cfg.algorithm.name, cfg.trainer.checkpoint_every, steps,
                                     stateful={"outer": fedavg} if fedavg is not None else None,
                                     keep_last=cfg.trainer.keep_last, async_save=cfg.trainer.async_save,
-                                    schedule=fedavg_cfg.schedule if fedavg_cfg else None)
+                                    schedule=fedavg_cfg.schedule if fedavg_cfg else None,
+                                    fragments=fedavg_cfg.streaming.fragments if fedavg_cfg else 1)
         resume_from = latest(run_dir) if cfg.trainer.resume == "auto" else None
         if resume_from is not None:
             start = checkpointer.load(resume_from, model, optimizer, scheduler)
@@ -241,11 +242,12 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None,
             optimizer.zero_grad(set_to_none=True)
             timer.lap("optimizer")
             position["step"] = step
-            aggregated = fedavg is not None and fedavg.due(step)
+            due = fedavg.due(step) if fedavg is not None else ()  # the fragments aggregating now
+            aggregated = bool(due)
             if aggregated:
                 if member:
                     faults.strike(member.group, member.restart, step, "aggregation")
-                committed = fedavg()
+                committed = fedavg(fragments=due)
                 timer.lap("aggregation")
             else:
                 timer.times["aggregation"] = 0.0  # the phase did not run this step
@@ -266,6 +268,8 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None,
                **{f"time_{p}": t for p, t in zip(PHASES, times)}, "time_step": step_time,
                **{f"critical_{p}": t for p, t in zip(PHASES, critical)}, "aggregated": aggregated,
                **{k: (int(v) if k.startswith("collectives") else v) for k, v in zip(counted, counts)}}
+        if aggregated and fedavg.fragments > 1:  # algorithm.streaming: which parts of the model
+            row["fragments"] = list(due)
         if federation is not None and aggregated:  # the groups alive in it, and whether it was applied
             row.update(participants=fedavg.participants, committed=committed)
         if recorder:
@@ -283,9 +287,11 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None,
             on_step(step, model, aggregated)
         if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step != steps:
             # elastic: each group scores its own model (the groups meet only at aggregations)
+            # the groups hold one model only just after every fragment aggregated
+            synced = fedavg is not None and len(due) == fedavg.fragments
             evaluation = eval_row(model, cfg, blocks, device, step, fedavg,
-                                  fedavg is not None and not aggregated and not member, partial)
-            if member and not aggregated:
+                                  fedavg is not None and not synced and not member, partial)
+            if member and not synced:
                 evaluation["eval_of"] = GROUP_MODEL
             if recorder:
                 recorder.log(evaluation)
@@ -350,6 +356,7 @@ def run_summary(cfg, shape, fedavg_cfg, steps: int, world: int, tokens_per_step:
         "aggregation_steps": list(aggregation_steps(fedavg_cfg.schedule, steps)) if fedavg_cfg else None,
         "outer": dataclasses.asdict(fedavg_cfg.outer) if fedavg_cfg else None,
         "federate": list(fedavg_cfg.federate) if fedavg_cfg else None,
+        "fragments": fedavg_cfg.streaming.fragments if fedavg_cfg else None,  # algorithm.streaming
         "fedavg_mode": fedavg_cfg.mode if fedavg_cfg and shape.replicate > 1 else None,
         "world_size": world, "seed": cfg.seed, "steps": steps, "topology": cfg.topology.name,
         "model": cfg.model.name, "dataset": cfg.dataset.name, "precision": cfg.trainer.precision,

@@ -299,6 +299,27 @@ def culprits(cfg: dict, changed: set) -> set:
             bad |= {"algorithm.every", "algorithm.aggregation"}
         if a.get("federate") == ["nomatch"]:
             bad.add("algorithm.federate")
+        streaming = a.get("streaming") or {}
+        fragments, every = streaming.get("fragments", 1), a.get("every")
+        if streaming.get("overlap", 0) != 0 or streaming.get("alpha", 0) != 0:  # not built yet
+            bad |= {"algorithm.streaming.overlap", "algorithm.streaming.alpha"}
+        if isinstance(fragments, int) and fragments > 1:
+            units = cfg["model"]["num_hidden_layers"] + 1  # the root and each decoder layer
+            if not isinstance(every, int) or every % fragments:
+                bad |= {"algorithm.streaming.fragments", "algorithm.every"}
+            if fragments > units:
+                bad |= {"algorithm.streaming.fragments", "model.num_hidden_layers"}
+        if a.get("elastic") is True:  # elastic federation's preconditions (fldp/elastic.py check)
+            tr = cfg["trainer"]
+            for key, fails in (("topology.device", t["device"] != "cpu"),
+                               ("cluster.name", cfg["cluster"].get("name") == "simulate"),
+                               ("algorithm.federate", a.get("federate", [".*"]) != [".*"]),
+                               ("trainer.checkpoint_every", bool(tr.get("checkpoint_every"))),
+                               ("trainer.resume", bool(tr.get("resume"))),
+                               ("comm.emulate", bool(cfg["comm"].get("emulate"))),
+                               ("algorithm.streaming.fragments", fragments != 1)):
+                if fails:
+                    bad |= {"algorithm.elastic", key}
     slurm = cfg["cluster"].get("launcher") == "slurm"
     if t["device"] == "cuda" and not slurm and not torch.cuda.is_available():
         bad |= {"topology.device", "cluster.launcher"}

@@ -151,14 +151,18 @@ def test_resume_with_another_mesh_is_refused(tmp_path, uninterrupted):
 
 
 def test_resume_with_another_schedule_is_refused(tmp_path, uninterrupted):
-    """Saved with A=3: another schedule is refused, naming algorithm.every; the same one spelled as a
-    schedule resumes."""
+    """Saved with A=3: another schedule is refused, naming algorithm.every, and so are other streaming
+    fragments; the same schedule spelled as a schedule resumes."""
     run_dir = tmp_path / "run"
     shutil.copytree(uninterrupted, run_dir)
     out = cli(*RUN, "algorithm.every=[[0,3],[6,4]]", "trainer.resume=auto", f"hydra.run.dir={run_dir}",
               cwd=tmp_path, timeout=60)
     assert out.returncode == 2, out.stderr[-3000:]
     assert "saved with algorithm.every=[[0, 3]], this run has algorithm.every=[[0, 3], [6, 4]]" in out.stderr
+    fragments = cli(*RUN, "algorithm.streaming.fragments=3", "trainer.resume=auto", f"hydra.run.dir={run_dir}",
+                    cwd=tmp_path, timeout=60)  # other fragments: other outer state
+    assert fragments.returncode == 2, fragments.stderr[-3000:]
+    assert "saved with algorithm.streaming.fragments=1, this run has 3" in fragments.stderr
     same = cli(*RUN, "algorithm.every=[[0,3]]", "trainer.resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert same.returncode == 0, same.stderr[-3000:]
 
