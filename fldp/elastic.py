@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -256,8 +257,7 @@ def run_local(fn, args: tuple, shape, cluster_cfg, run_dir: str, network=None) -
             for i in range(shape.group_size)]
         for p in group.procs:
             p.start()
-        # the first report: its peers in the group fail after it, of the lost connection
-        group.cause = lambda: next(iter(sorted(launch._drain(errors))), (None, None, None))[2]
+        group.cause = lambda: _first_report(errors)
 
     if network is not None:
         network.create()
@@ -266,6 +266,14 @@ def run_local(fn, args: tuple, shape, cluster_cfg, run_dir: str, network=None) -
     finally:
         if network is not None:
             network.destroy()
+
+
+def _first_report(errors) -> str | None:
+    """The earliest error a group's ranks reported: its peers fail after it, of the lost connection."""
+    from . import launch
+
+    reports = sorted(launch._drain(errors))  # (time, rank, report, plain)
+    return reports[0][2] if reports else None
 
 
 def _supervise(start, shape, cluster_cfg, run_dir: str, network=None) -> None:
@@ -353,10 +361,14 @@ class _Step:
     @property
     def exitcode(self):
         code = self.popen.poll()
-        if code is not None and self.sentinel is not None:
+        if code is not None:
+            self._close()
+        return code
+
+    def _close(self) -> None:
+        if self.sentinel is not None:
             os.close(self.sentinel)
             self.sentinel = None
-        return code
 
     def is_alive(self) -> bool:
         return self.exitcode is None
@@ -368,9 +380,9 @@ class _Step:
         self.popen.kill()
 
     def join(self, timeout: float | None = None) -> None:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(timeout)
-        self.exitcode  # noqa: B018  (closes the sentinel)
+            self._close()
 
 
 def run_slurm(cfg, run_dir: str, shape) -> None:
@@ -378,7 +390,6 @@ def run_slurm(cfg, run_dir: str, shape) -> None:
     the lighthouse here, each federation group one job step (`srun`, fldp.group_step), a failed
     step started again. Each step's output goes to RUN_DIR/elastic_logs/."""
     import pickle
-    import subprocess
 
     from .slurm import group_step_command, group_step_port
 

@@ -134,7 +134,7 @@ def test_streaming_refuses_what_it_cannot_do_before_any_worker_starts(overrides,
         precheck(["algorithm=fl_fsdp", "topology=local_4", *overrides], multirun=False)
 
 
-def test_rows_name_the_fragments_and_the_schedule_staggers_them():
+def test_the_schedule_staggers_the_fragments_and_the_layout_splits_the_units():
     """The schedule from the definition: fragment p after steps (p + 1) A / P (mod A), all at the last."""
     config = StreamingConfig(fragments=4)
     due = {t: config.due(t, 8, 30) for t in range(1, 31) if config.due(t, 8, 30)}
@@ -147,7 +147,7 @@ def test_rows_name_the_fragments_and_the_schedule_staggers_them():
         StreamingConfig(layout="diagonal")
 
 
-def test_read_rows_of_a_streaming_simulation_match_the_trainer(tmp_path):
+def test_the_simulator_streams_as_the_trainer_does(tmp_path):
     """cluster=simulate runs the same fragments and schedule as the trainer (fp32: within 1e-5)."""
     common = [*DILOCO, f"algorithm.streaming.fragments={FRAGMENTS}"]
     trained = train_world(compose_cfg(*common), tmp_path / "trainer")
