@@ -327,10 +327,14 @@ def _failed(group: _Group, proc, groups: list, events: Path, restart_failed: boo
     rank, noticed = group.procs.index(proc), time.time()
     time.sleep(launch._GRACE_S)  # its peers in the group fail next: let the first error arrive
     launch._stop(group.alive())
-    code = proc.exitcode
-    how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-    what = f"rank {rank}" if len(group.procs) > 1 else "its job step"
-    cause = group.cause() or f"{what} died ({how}) without a Python error"
+    how = launch.ended(proc.exitcode)
+    # how every process ended comes first: a rank killed outright leaves no error, and the first
+    # error reported may be a peer's lost connection, raised before that rank's death was seen
+    ends = (", ".join(f"rank {r} {launch.ended(p.exitcode)}" for r, p in enumerate(group.procs)
+                      if p.exitcode is not None)
+            if len(group.procs) > 1 else f"its job step ended with {how}")
+    report = group.cause()
+    cause = f"{ends}; the first error reported:\n{report}" if report else f"{ends}, without a Python error"
     others_running = any(not g.finished for g in groups if g is not group)
     restarting = restart_failed and group.restart < max_restarts and others_running
     event = {"event": "failure", "time": noticed, "group": group.index, "incarnation": group.restart,

@@ -100,6 +100,11 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+def ended(code: int) -> str:
+    """How a process with this exit code ended, in words: "signal SIGKILL" or "exit code 1"."""
+    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+
 def _exit_on_signal(signum, frame):
     os._exit(128 + signum)
 
@@ -185,8 +190,7 @@ def run_local(fn, args: tuple, world: int, device_type: str, cluster_cfg, networ
     # a rank killed outright (SIGKILL, OOM) leaves no traceback; its peers' errors come after
     for rank, code in deaths:
         if rank not in reported:
-            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-            raise WorkerError(f"rank {rank} died ({how}) without a Python error{after}")
+            raise WorkerError(f"rank {rank} died ({ended(code)}) without a Python error{after}")
     if failures:
         _, rank, report, plain = failures[0]
         others = f"\n({len(failures) - 1} other ranks failed after it)" if len(failures) > 1 else ""

@@ -214,6 +214,34 @@ def test_a_group_that_fails_again_at_once_is_restarted_a_bounded_number_of_times
     assert not any(p for p in os.popen("ps -eo args").read().splitlines() if str(tmp_path) in p)
 
 
+def test_a_groups_failure_names_the_rank_killed_outright_even_when_a_peer_reported_an_error_first(
+        tmp_path, monkeypatch):
+    """The race the bounded-restart test met in CI: rank 0 is SIGKILLed while rank 1, still joining,
+    reports its lost connection as a Python error. The failure must say how every rank ended (rank 0:
+    SIGKILL), not only the peer's error. Real processes: one killed, one exiting with an error."""
+    import multiprocessing as mp
+    from fldp import launch
+
+    monkeypatch.setattr(launch, "_GRACE_S", 0.0)
+    ctx = mp.get_context("fork")
+    killed = ctx.Process(target=lambda: os.kill(os.getpid(), 9))
+    peer = ctx.Process(target=lambda: os._exit(1))
+    for p in (killed, peer):
+        p.start()
+        p.join()
+    group = elastic._Group(1)
+    group.procs = [killed, peer]
+    group.cause = lambda: "torch.distributed.DistNetworkError: failed to recv, got 0 bytes"
+    survivor = elastic._Group(0)
+    survivor.procs = [ctx.Process(target=time.sleep, args=(0,))]  # not started: still training
+    with pytest.raises(elastic.WorkerError) as failure:
+        elastic._failed(group, peer, [survivor, group], tmp_path / "events.jsonl",
+                        restart_failed=True, max_restarts=0, launch=launch)
+    message = str(failure.value)
+    assert "rank 0 signal SIGKILL, rank 1 exit code 1" in message, message
+    assert "DistNetworkError" in message, message
+
+
 def test_the_fault_drill_kills_a_group_of_a_static_run_too(tmp_path):
     """FLDP_FAULT in a run without elastic federation: group 1's ranks die after step 3 (saying
     when), which ends the run as any dead rank does (the benchmark's kill-requeue-resume side)."""
