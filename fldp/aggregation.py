@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from .mesh import ConfigError, MeshShape
 from .schedule import aggregation_steps, schedule_of
 from .schema import check_values
-from .streaming import StreamingConfig
+from .streaming import Exchange, StreamingConfig
 
 # What algorithm.outer's null lr / eps mean, per optimiser. sgd: lr 1 (with momentum 0: FedAvg).
 # adam: FedAdam's server lr and tau (= eps) of Reddi et al. 2021, 1e-3 each, with torch's bias
@@ -102,11 +102,16 @@ class FedAvgConfig:
                       "algorithm.federate": list(self.federate)})
         self.streaming.check_schedule(self.schedule)
 
-    def fragments_due(self, step: int, last_step: int) -> tuple[int, ...]:
-        """The fragments that aggregate after `step` (one fragment, 0, is the whole model)."""
+    def exchange(self, step: int, last_step: int) -> Exchange:
+        """What aggregates after `step`: the fragments whose all-reduce starts and those merged (one
+        fragment, 0, is the whole model; without overlap, each is sent and merged at once)."""
+        if self.streaming.exchanges:
+            return self.streaming.exchange(step, self.schedule[0][1], last_step)
         if self.streaming.fragments == 1:
-            return (0,) if self.due(step, last_step) else ()
-        return self.streaming.due(step, self.schedule[0][1], last_step)
+            due = (0,) if self.due(step, last_step) else ()
+        else:
+            due = self.streaming.due(step, self.schedule[0][1], last_step)
+        return Exchange(due, due)
 
     def due(self, step: int, last_step: int) -> bool:
         """Whether `step` aggregates (aggregation_steps; a binary search, as a run may have many)."""
@@ -145,6 +150,15 @@ class FedAvgConfig:
                    streaming=StreamingConfig.from_algorithm(algorithm_cfg))
 
 
+def fragment_fields(config: FedAvgConfig, due: Exchange) -> dict:
+    """What an aggregation row says of the fragments (algorithm.streaming): those merged, and those
+    whose all-reduce started (with overlap); nothing without streaming."""
+    fields = {"fragments": list(due.merges)} if config.streaming.fragments > 1 or config.streaming.exchanges else {}
+    if config.streaming.overlap:
+        fields["fragments_sent"] = list(due.sends)
+    return fields
+
+
 def shard_signature(model) -> list[tuple]:
     """What must agree across groups for a shard-wise average to mean anything."""
     rows = []
@@ -179,6 +193,7 @@ class FedAvg:
         self.reduce_dtype = REDUCE_DTYPES[config.outer.reduce_dtype]
         self.buckets = self._buckets(int(config.bucket_mb * 2**20))
         self._buffers: dict = {}
+        self._flying: dict[int, tuple] = {}  # bucket -> (its shards, the copy being reduced, the work)
         if elastic is None:  # elastic: a healing group's copy_ of its peer's shards checks their shapes
             check_aligned(model, self.federation)
         # per bucket: its persistent flat tensor (None: packed into a reusable buffer each time),
@@ -203,10 +218,55 @@ class FedAvg:
                                            for ref, b in zip(self.reference, self.buckets)])
                       if self.leads and not config.outer.averages else None)
 
-    def due(self, step: int) -> tuple[int, ...]:
-        """The fragments that aggregate after `step` (empty: none; (0,) without streaming): on the
-        schedule's steps, and every fragment at the last step, so all groups end identical."""
-        return self.config.fragments_due(step, self.last_step)
+    def due(self, step: int) -> Exchange:
+        """What aggregates after `step` (falsy: nothing; without streaming, fragment 0, the whole
+        model): on the schedule's steps, and every fragment at the last step, so all groups end identical."""
+        return self.config.exchange(step, self.last_step)
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether an all-reduce started by exchange() awaits its merge (a checkpoint now would lose it)."""
+        return bool(self._flying)
+
+    def exchange(self, due: Exchange) -> bool:
+        """Run what `due` says; returns whether it was applied (see __call__)."""
+        if due.in_place:
+            return self(fragments=due.merges)
+        self._send(due.sends)
+        self._merge(due.merges, due.alpha)
+        return True
+
+    def _chosen(self, fragments) -> list[int]:
+        """The buckets of these fragments (None: every bucket)."""
+        return [i for i, f in enumerate(self.bucket_fragment) if fragments is None or f in fragments]
+
+    @torch.no_grad()
+    def _send(self, fragments: tuple[int, ...]) -> None:
+        """Start the all-reduce of each of these fragments' buckets on a copy (the groups train on
+        while it is in flight), of the weights or, casting, of their change."""
+        self._check_live()
+        for i in self._chosen(fragments):
+            bucket = self.buckets[i]
+            flat = torch.empty(sum(t.numel() for t in bucket), dtype=self.reduce_dtype or bucket[0].dtype,
+                               device=bucket[0].device)
+            if self.reference[i] is None:
+                _pack(bucket, flat, range(len(bucket)))
+            else:
+                _pack_change(bucket, self._base(i), flat)
+            work = dist.all_reduce(flat, group=self.federation, async_op=True) if self.leads else None
+            self._flying[i] = (bucket, flat, work)
+
+    @torch.no_grad()
+    def _merge(self, fragments: tuple[int, ...], alpha: float) -> None:
+        """Finish these fragments' all-reduces: the outer step, the new global weights into every
+        shard, then lerp(global, local, alpha) with the weights the group holds now."""
+        for i in self._chosen(fragments):
+            bucket, flat, work = self._flying.pop(i)
+            local = torch.cat([t.reshape(-1) for t in bucket]) if alpha else None
+            self._finish(i, bucket, flat, work, True, every_shard=True)
+            if alpha:
+                for t, mine in _slots(bucket, local, range(len(bucket))):
+                    t.lerp_(mine.view_as(t), alpha)
 
     @property
     def fragments(self) -> int:
@@ -295,7 +355,7 @@ class FedAvg:
         fragments: only these fragments' buckets (algorithm.streaming); None: every bucket.
         Returns whether the aggregation was applied (always, unless elastic and a group failed in it)."""
         self._check_live()
-        chosen = [i for i, f in enumerate(self.bucket_fragment) if fragments is None or f in fragments]
+        chosen = self._chosen(fragments)
         if self.elastic is not None:
             return self._elastic(outer_step, chosen)
         pending: collections.deque = collections.deque()
@@ -353,16 +413,17 @@ class FedAvg:
         """What a casting bucket's change is taken from: the anchor, or the reference."""
         return self.outer.anchors[index] if self.outer is not None else self.reference[index]
 
-    def _finish(self, index, bucket, flat, work, outer_step: bool) -> None:
+    def _finish(self, index, bucket, flat, work, outer_step: bool, every_shard: bool = False) -> None:
         if work is not None:
             work.wait()
             # gloo has no AVG: sum, then divide (identical bits on every rank of the group)
             flat.div_(self.shape.federation)
-        self._apply(index, bucket, flat, work is not None, outer_step)
+        self._apply(index, bucket, flat, work is not None, outer_step, every_shard)
 
-    def _apply(self, index, bucket, flat, reduced: bool, outer_step: bool) -> None:
+    def _apply(self, index, bucket, flat, reduced: bool, outer_step: bool, every_shard: bool = False) -> None:
         """`flat` holds the groups' mean (`reduced`), or nothing yet (a replica the leader hands the
-        new weights to): the outer step, the broadcast to the replicas, the unpacking."""
+        new weights to): the outer step, the broadcast to the replicas, the unpacking (into every
+        shard if `flat` is a copy, else into those not resident in it)."""
         ref = self.reference[index]
         if reduced:
             if ref is not None:  # flat: the groups' mean change; the new weights into ref
@@ -378,7 +439,7 @@ class FedAvg:
             flat = ref if outer_step else torch.empty_like(ref)
         if self.broadcast:
             dist.broadcast(flat, group=self.replicate, group_src=0)
-        _unpack(bucket, flat, self._copied[index])
+        _unpack(bucket, flat, range(len(bucket)) if every_shard else self._copied[index])
 
     @contextlib.contextmanager
     @torch.no_grad()

@@ -36,6 +36,7 @@ import torch
 
 from . import faults
 from .errors import ConfigError, Interrupted, WorkerError
+from .streaming import StreamingConfig
 
 # The lighthouse waits this long for every live group to reach an aggregation before it forms a
 # quorum without the late ones: longer than any gap between aggregations, or a restarted group
@@ -72,10 +73,11 @@ def check(cfg) -> None:
         raise ConfigError(f"algorithm.elastic=true with algorithm.federate={federate}: a healed group's "
                           "parameters kept local would be copied from several peers, rank by rank; partial "
                           "federation is not elastic yet")
-    fragments = (cfg.algorithm.get("streaming") or {}).get("fragments", 1)
-    if fragments != 1:
-        raise ConfigError(f"algorithm.elastic=true with algorithm.streaming.fragments={fragments}: a restarted "
-                          "group heals at a whole-model aggregation; streaming fragments are not elastic yet")
+    streaming = StreamingConfig.from_algorithm(cfg.algorithm)
+    if streaming.fragments != 1 or streaming.exchanges:
+        raise ConfigError(f"algorithm.elastic=true with algorithm.streaming.fragments={streaming.fragments}, "
+                          f"overlap={streaming.overlap}, alpha={streaming.alpha}: a restarted group heals at a "
+                          "whole-model aggregation taken as it is; streaming is not elastic yet")
     if cfg.trainer.checkpoint_every or cfg.trainer.resume:
         raise ConfigError(f"algorithm.elastic=true with trainer.checkpoint_every={cfg.trainer.checkpoint_every}, "
                           f"trainer.resume={cfg.trainer.resume}: a failed group heals from a live peer; "

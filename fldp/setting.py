@@ -43,7 +43,9 @@ def defining(config: dict) -> dict:
     picked["dataset"] = {k: data[k] for k in DATASET_KEYS if k in data}
     picked["topology"] = {"name": (config.get("topology") or {}).get("name")}
     flat = flatten(picked)
-    if flat.get("algorithm.streaming.fragments", 1) == 1:  # one fragment is the whole model, as without streaming
+    # one fragment, sent and taken at once, is the whole model's aggregation, as without streaming
+    if (flat.get("algorithm.streaming.fragments", 1) == 1 and not flat.get("algorithm.streaming.overlap")
+            and not flat.get("algorithm.streaming.alpha")):
         flat = {k: v for k, v in flat.items() if not k.startswith("algorithm.streaming.")}
     return {k: v for k, v in flat.items() if k not in OPERATIONAL}
 

@@ -25,12 +25,13 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
-from .aggregation import FedAvgConfig, Outer
+from .aggregation import FedAvgConfig, Outer, fragment_fields
 from .data import Blocks, WorldBatches
 from .errors import ConfigError
 from .mesh import mesh_shape
 from .model import DTYPES, build_model, init_weights, llama_config
 from .records import PHASES, Recorder
+from .streaming import Exchange
 from .trainer import AVERAGE, GROUPS_MEAN, ONE_MODEL, build_optimizer, build_scheduler, run_summary, total_steps
 
 # vmap has no batching rule for CPU flash attention and loops over the groups inside that one op
@@ -74,6 +75,7 @@ class Simulation:
         self.fedavg = FedAvgConfig.from_algorithm(cfg.algorithm)
         self.federated: list[str] = []
         self.outer = None
+        self.in_flight: dict[int, list[torch.Tensor]] = {}  # fragment -> its average, sent, not yet merged
         if self.fedavg is not None:
             keep = self.fedavg.federated(self.groups.names)
             self.federated = [n for n, k in zip(self.groups.names, keep) if k]
@@ -115,18 +117,21 @@ class Simulation:
                 for p in range(self.fedavg.streaming.fragments)]
 
     @torch.no_grad()
-    def aggregate(self, fragments: tuple[int, ...]) -> None:
-        """FedAvg, or the outer step on the average, of these fragments; every group continues from
-        the result."""
-        for p in fragments:
-            names = self.fragment_names()[p]
-            new = self.average(names)
+    def exchange(self, due: Exchange) -> None:
+        """The groups' average of the fragments sent (what their all-reduce would return), then, for
+        those merged, FedAvg or the outer step on it, mixed with each group's weights by alpha."""
+        for p in due.sends:
+            self.in_flight[p] = self.average(self.fragment_names()[p])
+        for p in due.merges:
+            names, new = self.fragment_names()[p], self.in_flight.pop(p)
             if self.outer is not None:
                 average = torch.cat([t.reshape(-1) for t in new])
                 anchor = self.outer.step(p, self.outer.anchors[p] - average.float())  # the pseudo-gradient
                 new = list(torch.split(anchor.to(average.dtype), [t.numel() for t in new]))
             for name, value in zip(names, new):
-                self.groups[name].copy_(value.view(self.groups[name].shape[1:]).expand_as(self.groups[name]))
+                group = self.groups[name]
+                value = value.view(group.shape[1:]).expand_as(group)
+                group.copy_(torch.lerp(value, group, due.alpha) if due.alpha else value)
 
     # --- evaluation ------------------------------------------------------------------------------
     def held_out(self, ranks: int) -> torch.Tensor:
@@ -194,10 +199,10 @@ class Simulation:
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             times["optimizer"] = time.perf_counter() - t0 - times["forward"] - times["backward"]
-            due = self.fedavg.fragments_due(step, steps) if self.fedavg is not None else ()
+            due = self.fedavg.exchange(step, steps) if self.fedavg is not None else Exchange()
             aggregated = bool(due)
             if aggregated:
-                self.aggregate(due)
+                self.exchange(due)
             step_time = time.perf_counter() - t0
             times["aggregation"] = step_time - sum(times.values()) if aggregated else 0.0
             mean_loss = losses.mean().item()  # every group has R*S ranks: the mean over ranks
@@ -208,11 +213,11 @@ class Simulation:
                    "tokens": step * tokens_per_step, **{f"time_{p}": times[p] for p in PHASES},
                    "time_step": step_time, **{f"critical_{p}": times[p] for p in PHASES},  # one process
                    "aggregated": aggregated}
-            if aggregated and self.fedavg.streaming.fragments > 1:  # as the trainer's rows
-                row["fragments"] = list(due)
+            if aggregated:  # as the trainer's rows
+                row.update(fragment_fields(self.fedavg, due))
             recorder.log(row)
             if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step != steps:
-                synced = self.fedavg is not None and len(due) == self.fedavg.streaming.fragments
+                synced = self.fedavg is not None and due.synced(self.fedavg.streaming.fragments)
                 recorder.log(self.eval_row(step, self.fedavg is not None and not synced))
         final = self.eval_row(steps, groups_differ=False)
         recorder.log(final)

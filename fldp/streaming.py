@@ -12,8 +12,15 @@ torchft's DiLoCo schedule (`torchft.local_sgd.DiLoCo`, `fragment_sync_delay=0`):
 syncs when its manager step is p modulo P, after A / P inner steps each time.
 
 Each fragment has its own anchor and outer-optimiser state (FedAvg keeps them per bucket, and a
-bucket holds one fragment's parameters only). `overlap` (tau, the all-reduce in flight during tau
-inner steps) and `alpha` (mixing local and global weights) are not built yet: 0 only.
+bucket holds one fragment's parameters only).
+
+`overlap` tau: a fragment's all-reduce starts tau steps before its merge step and is in flight while
+the groups train those tau steps (its average is of the weights when it started); at the merge step
+the fragment's new global weights are mixed with the group's own: local + (1 - alpha) * (global -
+local), i.e. lerp(global, local, alpha), `alpha` 0 taking the global. torchft's `fragment_sync_delay`
+and `fragment_update_alpha`, on the same steps. tau < A / P, so one fragment at most is in flight.
+The last step ends every fragment global (alpha 0 there): the fragments in flight merge, the others
+aggregate at once.
 """
 from __future__ import annotations
 
@@ -24,6 +31,28 @@ from .errors import ConfigError
 
 LAYOUTS = ("strided", "contiguous")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")  # a decoder layer's parameters: model.layers.<i>.
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """What the aggregation does after one step: start the all-reduces of `sends`, then merge
+    `merges` (their averages, mixed with the local weights by `alpha`). Without overlap, a fragment
+    is sent and merged at once."""
+    sends: tuple[int, ...] = ()
+    merges: tuple[int, ...] = ()
+    alpha: float = 0.0
+
+    def __bool__(self) -> bool:
+        return bool(self.sends or self.merges)
+
+    @property
+    def in_place(self) -> bool:
+        """Each fragment sent is merged at once and taken as it is: the plain aggregation."""
+        return self.sends == self.merges and not self.alpha
+
+    def synced(self, fragments: int) -> bool:
+        """Whether the groups hold one model after it: every fragment merged, none mixed."""
+        return len(self.merges) == fragments and not self.alpha
 
 
 @dataclass(frozen=True)
@@ -39,9 +68,15 @@ class StreamingConfig:
             raise ConfigError(f"algorithm.streaming.layout={self.layout!r}: must be one of {', '.join(LAYOUTS)}")
         if isinstance(self.fragments, bool) or not isinstance(self.fragments, int) or self.fragments < 1:
             raise ConfigError(f"algorithm.streaming.fragments={self.fragments!r}: must be an integer >= 1")
-        if self.overlap != 0 or self.alpha != 0:
-            raise ConfigError(f"algorithm.streaming.overlap={self.overlap!r}, alpha={self.alpha!r}: an all-reduce "
-                              "in flight during inner steps is not built yet (issue 22); 0 and 0 only")
+        if isinstance(self.overlap, bool) or not isinstance(self.overlap, int) or self.overlap < 0:
+            raise ConfigError(f"algorithm.streaming.overlap={self.overlap!r}: must be an integer >= 0")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0 <= self.alpha <= 1:
+            raise ConfigError(f"algorithm.streaming.alpha={self.alpha!r}: must be a number in [0, 1]")
+
+    @property
+    def exchanges(self) -> bool:
+        """Whether an aggregation is more than the in-place average: an all-reduce in flight, or a mix."""
+        return bool(self.overlap or self.alpha)
 
     @classmethod
     def from_algorithm(cls, algorithm_cfg) -> StreamingConfig:
@@ -50,25 +85,44 @@ class StreamingConfig:
 
     def check_schedule(self, schedule: tuple[tuple[int, int], ...]) -> int:
         """The period A fragments are staggered over; refuses what cannot be staggered."""
-        if self.fragments == 1:
+        if self.fragments == 1 and not self.exchanges:
             return schedule[0][1]
         if len(schedule) > 1:
-            raise ConfigError(f"algorithm.streaming.fragments={self.fragments} with a schedule algorithm.every="
-                              f"{[list(p) for p in schedule]}: fragments need one period A (not built yet)")
+            what = (f"fragments={self.fragments}" if self.fragments > 1
+                    else f"overlap={self.overlap}, alpha={self.alpha}")
+            raise ConfigError(f"algorithm.streaming.{what} with a schedule algorithm.every="
+                              f"{[list(p) for p in schedule]}: streaming needs one period A (not built yet)")
         every = schedule[0][1]
         if every % self.fragments:
             raise ConfigError(f"algorithm.streaming.fragments={self.fragments} must divide algorithm.every={every}: "
                               "each fragment aggregates every A steps, A / P steps after the one before")
+        if self.overlap >= every // self.fragments:
+            raise ConfigError(f"algorithm.streaming.overlap={self.overlap} must be less than algorithm.every / "
+                              f"fragments = {every // self.fragments}: a fragment's all-reduce must end before the "
+                              "next fragment's starts")
         return every
 
     def due(self, step: int, every: int, last_step: int) -> tuple[int, ...]:
-        """The fragments that aggregate after `step` (P > 1): one on every (A / P)-th step, all at the last."""
+        """The fragments that aggregate (merge) after `step`: one on every (A / P)-th step, all at the last."""
         if step == last_step:
             return tuple(range(self.fragments))
+        return self._periodic(step, every)
+
+    def _periodic(self, step: int, every: int) -> tuple[int, ...]:
         gap = every // self.fragments
         if step % gap:
             return ()
         return ((step // gap - 1) % self.fragments,)
+
+    def exchange(self, step: int, every: int, last_step: int) -> Exchange:
+        """What the aggregation does after `step`: the all-reduces that start (tau steps before their
+        fragment's merge; at the last step, every fragment not already in flight) and the merges."""
+        merges = self.due(step, every, last_step)
+        if step != last_step:
+            return Exchange(self._periodic(step + self.overlap, every), merges, self.alpha)
+        # in flight at the last step: those sent in the tau steps before it, merging at it or later
+        flying = {p for t in range(step, step + self.overlap) for p in self._periodic(t, every)}
+        return Exchange(tuple(p for p in merges if p not in flying), merges, 0.0)
 
     def fragment_of(self, names: list[str]) -> list[int]:
         """Each parameter's fragment, by its FSDP unit (the root, or decoder layer i: unit i + 1)."""

@@ -53,6 +53,10 @@ def validate(cfg: DictConfig):
         model = build_model(llama_config(cfg.model, cfg.model.vocab_size or 8), "meta")
         names = [name for name, _ in model.named_parameters()]
         federation.streaming.fragment_of([n for n, keep in zip(names, federation.federated(names)) if keep])
+    if federation is not None and federation.streaming.overlap and cfg.comm.emulate:
+        raise ConfigError(f"algorithm.streaming.overlap={federation.streaming.overlap} with comm.emulate=true: the "
+                          "emulation sleeps as each collective is called, so it cannot show an all-reduce in "
+                          "flight behind training; emulate the network with a netns topology (e.g. topology=netns_4x2)")
     from . import elastic
 
     elastic.check(cfg)

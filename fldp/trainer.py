@@ -17,7 +17,8 @@ import torch.distributed as dist
 from transformers import get_cosine_schedule_with_warmup
 
 from . import elastic, faults
-from .aggregation import FedAvg, FedAvgConfig
+from .aggregation import FedAvg, FedAvgConfig, fragment_fields
+from .streaming import Exchange
 from .schedule import aggregation_steps
 from .checkpoint import Checkpointer, latest
 from .comm import CommMeter
@@ -226,7 +227,7 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None,
     meter = CommMeter(mesh, emulated) if cfg.comm.measure or cfg.comm.emulate else None
     counted = [f"{kind}_{d}" for kind in ("bytes", "collectives") for d in DIMS] if meter else []
 
-    step = start
+    step, owed = start, False
     while step < steps:
         step += 1
         with meter or contextlib.nullcontext():
@@ -242,12 +243,12 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None,
             optimizer.zero_grad(set_to_none=True)
             timer.lap("optimizer")
             position["step"] = step
-            due = fedavg.due(step) if fedavg is not None else ()  # the fragments aggregating now
+            due = fedavg.due(step) if fedavg is not None else Exchange()  # the fragments sent and merged now
             aggregated = bool(due)
             if aggregated:
                 if member:
                     faults.strike(member.group, member.restart, step, "aggregation")
-                committed = fedavg(fragments=due)
+                committed = fedavg.exchange(due)
                 timer.lap("aggregation")
             else:
                 timer.times["aggregation"] = 0.0  # the phase did not run this step
@@ -268,8 +269,8 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None,
                **{f"time_{p}": t for p, t in zip(PHASES, times)}, "time_step": step_time,
                **{f"critical_{p}": t for p, t in zip(PHASES, critical)}, "aggregated": aggregated,
                **{k: (int(v) if k.startswith("collectives") else v) for k, v in zip(counted, counts)}}
-        if aggregated and fedavg.fragments > 1:  # algorithm.streaming: which parts of the model
-            row["fragments"] = list(due)
+        if aggregated:  # algorithm.streaming: which parts of the model
+            row.update(fragment_fields(fedavg.config, due))
         if federation is not None and aggregated:  # the groups alive in it, and whether it was applied
             row.update(participants=fedavg.participants, committed=committed)
         if recorder:
@@ -288,16 +289,19 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None,
         if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step != steps:
             # elastic: each group scores its own model (the groups meet only at aggregations)
             # the groups hold one model only just after every fragment aggregated
-            synced = fedavg is not None and len(due) == fedavg.fragments
+            synced = fedavg is not None and due.synced(fedavg.fragments)
             evaluation = eval_row(model, cfg, blocks, device, step, fedavg,
                                   fedavg is not None and not synced and not member, partial)
             if member and not synced:
                 evaluation["eval_of"] = GROUP_MODEL
             if recorder:
                 recorder.log(evaluation)
-        if checkpointer is not None and checkpointer.due(step):
+        # a checkpoint waits for the step after a fragment's all-reduce in flight is merged (overlap)
+        owed = checkpointer is not None and (owed or checkpointer.due(step))
+        if owed and not (fedavg is not None and fedavg.in_flight):
             checkpointer.save(step, model, optimizer, scheduler)
-        if checkpointer is not None:
+            owed = False
+        if checkpointer is not None and not (fedavg is not None and fedavg.in_flight):
             checkpointer.stop_if_warned(step, model, optimizer, scheduler, device)  # SLURM's time-limit warning
 
     if checkpointer is not None:

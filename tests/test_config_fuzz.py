@@ -301,14 +301,19 @@ def culprits(cfg: dict, changed: set) -> set:
             bad.add("algorithm.federate")
         streaming = a.get("streaming") or {}
         fragments, every = streaming.get("fragments", 1), a.get("every")
-        if streaming.get("overlap", 0) != 0 or streaming.get("alpha", 0) != 0:  # not built yet
-            bad |= {"algorithm.streaming.overlap", "algorithm.streaming.alpha"}
-        if isinstance(fragments, int) and fragments > 1:
+        overlap, alpha = streaming.get("overlap", 0), streaming.get("alpha", 0)
+        exchanges = bool(overlap) or bool(alpha)  # an all-reduce in flight, or a mix: one period A
+        if isinstance(fragments, int) and (fragments > 1 or exchanges):
             units = cfg["model"]["num_hidden_layers"] + 1  # the root and each decoder layer
             if not isinstance(every, int) or every % fragments:
-                bad |= {"algorithm.streaming.fragments", "algorithm.every"}
+                bad |= {"algorithm.streaming.fragments", "algorithm.every", "algorithm.streaming.overlap",
+                        "algorithm.streaming.alpha"}
+            elif isinstance(overlap, int) and overlap >= every // fragments:
+                bad |= {"algorithm.streaming.overlap", "algorithm.every", "algorithm.streaming.fragments"}
             if fragments > units:
                 bad |= {"algorithm.streaming.fragments", "model.num_hidden_layers"}
+        if overlap and cfg["comm"].get("emulate"):
+            bad |= {"algorithm.streaming.overlap", "comm.emulate"}
         if a.get("elastic") is True:  # elastic federation's preconditions (fldp/elastic.py check)
             tr = cfg["trainer"]
             for key, fails in (("topology.device", t["device"] != "cpu"),
@@ -317,7 +322,9 @@ def culprits(cfg: dict, changed: set) -> set:
                                ("trainer.checkpoint_every", bool(tr.get("checkpoint_every"))),
                                ("trainer.resume", bool(tr.get("resume"))),
                                ("comm.emulate", bool(cfg["comm"].get("emulate"))),
-                               ("algorithm.streaming.fragments", fragments != 1)):
+                               ("algorithm.streaming.fragments", fragments != 1),
+                               ("algorithm.streaming.overlap", bool(overlap)),
+                               ("algorithm.streaming.alpha", bool(alpha))):
                 if fails:
                     bad |= {"algorithm.elastic", key}
     slurm = cfg["cluster"].get("launcher") == "slurm"

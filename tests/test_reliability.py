@@ -340,6 +340,24 @@ def test_the_warning_signal_checkpoints_all_ranks_and_resume_is_exact(tmp_path, 
     assert [r["loss"] for r in read_rows(run_dir)] == [r["loss"] for r in read_rows(uninterrupted)]
 
 
+def test_with_an_all_reduce_in_flight_a_checkpoint_waits_for_its_merge_and_resume_is_exact(tmp_path):
+    """Streaming overlap (fragment p sent the step before its merge, every 2 steps): checkpoint_every=3
+    falls on step 3, while fragment 1 is in flight, and is written after step 4, its merge; the
+    time-limit warning after step 5 (fragment 0 in flight) stops the run after step 6. Resumed from
+    there, the run equals an uninterrupted one bit for bit (losses, weights, AdamW and outer state)."""
+    run = ["algorithm=fl_fsdp", "topology=local_2", "trainer.steps=12", "algorithm.every=4",
+           "algorithm.outer.lr=0.7", "algorithm.outer.momentum=0.9", "algorithm.streaming.fragments=2",
+           "algorithm.streaming.overlap=1", "algorithm.streaming.alpha=0.5", "trainer.checkpoint_every=3",
+           "wandb.mode=disabled", "trainer.progress=false", "trainer.eval_batches=1"]
+    uninterrupted = tmp_path / "uninterrupted"
+    train_world(compose_cfg(*run), uninterrupted)
+    run_dir = tmp_path / "run"
+    with pytest.raises(WorkerError, match="stopped on the warning signal after step 6, checkpoint saved"):
+        train_world(compose_cfg(*run, "trainer.resume=auto"), run_dir, on_step=WarnAt(5, rank=1))
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_00000004", "step_00000006"]
+    assert_resume_is_exact(run, run_dir, uninterrupted, tmp_path, in_process=True)
+
+
 # --- Faults during a run: a disk that fills or turns read-only, SIGTERM and Ctrl-C to the launcher.
 # A short run: 2 ranks, 2 federation groups (each saves its own DCP checkpoint), checkpoints at 4, 8, 12, 16.
 SHORT = ["algorithm=fl_fsdp", "topology=local_2", "trainer.steps=16", "algorithm.every=4",

@@ -27,7 +27,7 @@ DILOCO = ["algorithm=fl_fsdp", "topology=local_2", "mesh.federation=2", "mesh.sh
           "algorithm.outer.nesterov=true"]
 
 
-def torchft_group(group: int, lighthouse: str, cfg, out: str) -> None:
+def torchft_group(group: int, lighthouse: str, cfg, out: str, delay: int = 0, alpha: float = 0.0) -> None:
     """One replica group of torchft's DiLoCo: the same model, initial weights, data (this group's
     rank of the 2), AdamW and schedule as fldp's group `group`; the fragments by hand: strided
     over the FSDP units [root, layer 0, layer 1] of the 2-layer model."""
@@ -53,7 +53,8 @@ def torchft_group(group: int, lighthouse: str, cfg, out: str) -> None:
                       timeout=timedelta(seconds=60))
     batches = RankBatches(blocks.train, cfg.trainer.batch_size, group, 2, cfg.seed).stream()
     losses, weights = [], None
-    with DiLoCo(manager, fragments, inner, outer, sync_every=EVERY, fragment_sync_delay=0):
+    with DiLoCo(manager, fragments, inner, outer, sync_every=EVERY, fragment_sync_delay=delay,
+                fragment_update_alpha=alpha):
         for step in range(1, STEPS + 1):
             x = next(batches)
             loss = model(input_ids=x, labels=x).loss
@@ -68,22 +69,27 @@ def torchft_group(group: int, lighthouse: str, cfg, out: str) -> None:
     torch.save({"losses": losses, "weights": weights}, Path(out) / f"torchft_{group}.pt")
 
 
-def test_fragments_and_their_schedule_equal_torchfts_diloco(tmp_path):
+@pytest.mark.parametrize("overlap, alpha", [(0, 0.0), (1, 0.5)])
+def test_fragments_and_their_schedule_equal_torchfts_diloco(tmp_path, overlap, alpha):
     """fl_fsdp 2x1x1 with DiLoCo's outer Nesterov SGD, 2 strided fragments, A = 4 (a fragment every 2
     steps): per step, the groups' mean loss equals torchft's DiLoCo's within 1e-6 (relative), and the
     weights after step 12 (6 fragment syncs) within 1e-6 (absolute, on weights of ~0.1: measured up to
     5e-7, on embedding rows, where AdamW's small second moments amplify the different float order of
     the two averages, fldp's anchor - mean(weights) and torchft's mean(anchor - weights)). fldp also
-    aggregates every fragment at the last step, which torchft does not: compared up to it."""
+    aggregates every fragment at the last step, which torchft does not: compared up to it.
+    With overlap 1 and alpha 0.5 (torchft's fragment_sync_delay and fragment_update_alpha): each
+    all-reduce in flight during one step, then mixed half and half with the local weights."""
     from torchft.coordination import LighthouseServer
 
-    cfg = compose_cfg(*DILOCO, f"algorithm.streaming.fragments={FRAGMENTS}")
+    cfg = compose_cfg(*DILOCO, f"algorithm.streaming.fragments={FRAGMENTS}",
+                      f"algorithm.streaming.overlap={overlap}", f"algorithm.streaming.alpha={alpha}")
     assert StreamingConfig(fragments=FRAGMENTS).fragment_of(
         ["model.embed_tokens.weight", "model.layers.0.x", "model.layers.1.x", "model.norm.weight", "lm_head.weight"]
     ) == [0, 1, 0, 0, 0]  # the partition torchft_group builds by hand
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
     ctx = multiprocessing.get_context("spawn")  # torchft's native threads: no fork after they start
-    procs = [ctx.Process(target=torchft_group, args=(g, lighthouse.address(), cfg, str(tmp_path))) for g in (0, 1)]
+    procs = [ctx.Process(target=torchft_group, args=(g, lighthouse.address(), cfg, str(tmp_path), overlap, alpha))
+             for g in (0, 1)]
     for p in procs:
         p.start()
     for p in procs:
@@ -94,7 +100,11 @@ def test_fragments_and_their_schedule_equal_torchfts_diloco(tmp_path):
 
     snap = Snapshot(tmp_path / "snap", [STEPS - 1], cfg)
     rows = train_world(cfg, tmp_path / "fldp", snap)
-    assert [r.get("fragments") for r in rows if r["aggregated"]] == [[0], [1], [0], [1], [0], [1], [0, 1]]
+    merged = [r.get("fragments") for r in rows if r["aggregated"] and r.get("fragments")]
+    assert merged == [[0], [1], [0], [1], [0], [1], [0, 1]]
+    if overlap:  # each fragment sent the step before its merge; at the last step, both at once
+        assert [r["fragments_sent"] for r in rows if r["aggregated"]][:4] == [[0], [], [1], []]
+        assert rows[-1]["fragments_sent"] == [0, 1]
     theirs = [(a + b) / 2 for a, b in zip(peers[0]["losses"], peers[1]["losses"])]
     assert [r["loss"] for r in rows] == pytest.approx(theirs, rel=1e-6)
     for g in (0, 1):
@@ -123,9 +133,14 @@ def test_one_fragment_is_the_aggregation_without_streaming_bit_for_bit(tmp_path)
 @pytest.mark.parametrize("overrides, named", [
     (["algorithm.streaming.fragments=3", "algorithm.every=8"], "must divide algorithm.every=8"),
     (["algorithm.streaming.fragments=4", "algorithm.every=8"], "the model has 3 FSDP units"),
-    (["algorithm.streaming.fragments=2", "algorithm.every=[[0,2],[4,4]]"], "fragments need one period"),
-    (["algorithm.streaming.fragments=2", "algorithm.streaming.overlap=1"], "not built yet"),
-    (["algorithm.streaming.fragments=2", "algorithm.elastic=true"], "streaming fragments are not elastic yet"),
+    (["algorithm.streaming.fragments=2", "algorithm.every=[[0,2],[4,4]]"], "streaming needs one period"),
+    (["algorithm.streaming.fragments=2", "algorithm.every=4", "algorithm.streaming.overlap=2"],
+     "overlap=2 must be less than algorithm.every / fragments = 2"),
+    (["algorithm.streaming.overlap=1", "algorithm.every=[[0,2],[4,4]]"], "streaming needs one period"),
+    (["algorithm.streaming.alpha=1.5"], "algorithm.streaming.alpha"),
+    (["algorithm.streaming.fragments=2", "algorithm.elastic=true"], "streaming is not elastic yet"),
+    (["algorithm.streaming.overlap=1", "algorithm.elastic=true"], "streaming is not elastic yet"),
+    (["algorithm.streaming.overlap=1", "comm.emulate=true"], "cannot show an all-reduce in flight"),
 ])
 def test_streaming_refuses_what_it_cannot_do_before_any_worker_starts(overrides, named):
     import re
@@ -147,14 +162,40 @@ def test_the_schedule_staggers_the_fragments_and_the_layout_splits_the_units():
         StreamingConfig(layout="diagonal")
 
 
-def test_the_simulator_streams_as_the_trainer_does(tmp_path):
-    """cluster=simulate runs the same fragments and schedule as the trainer (fp32: within 1e-5)."""
-    common = [*DILOCO, f"algorithm.streaming.fragments={FRAGMENTS}"]
+def test_with_overlap_each_fragment_is_sent_tau_steps_before_its_merge_and_the_last_step_ends_all_global():
+    """From the definition: fragment p merges after steps (p + 1) A / P (mod A) and is sent tau steps
+    before; at the last step the fragment in flight merges and the others are sent and merged, unmixed."""
+    config = StreamingConfig(fragments=4, overlap=1, alpha=0.25)
+    plan = {t: (e.sends, e.merges, e.alpha) for t in range(1, 15) if (e := config.exchange(t, 8, 14))}
+    assert plan == {1: ((0,), (), 0.25), 2: ((), (0,), 0.25), 3: ((1,), (), 0.25), 4: ((), (1,), 0.25),
+                    5: ((2,), (), 0.25), 6: ((), (2,), 0.25), 7: ((3,), (), 0.25), 8: ((), (3,), 0.25),
+                    9: ((0,), (), 0.25), 10: ((), (0,), 0.25), 11: ((1,), (), 0.25), 12: ((), (1,), 0.25),
+                    13: ((2,), (), 0.25), 14: ((0, 1, 3), (0, 1, 2, 3), 0.0)}
+    # tau = 0: sent and merged at once, the plain schedule
+    assert StreamingConfig(fragments=4).exchange(4, 8, 30) == StreamingConfig(fragments=4, alpha=0.0).exchange(4, 8, 30)
+    assert StreamingConfig(fragments=4).exchange(4, 8, 30).in_place
+
+
+OVERLAP = ["algorithm.streaming.overlap=1", "algorithm.streaming.alpha=0.5"]
+
+
+@pytest.mark.parametrize("layout, streaming", [
+    (DILOCO, []),
+    (DILOCO, OVERLAP),
+    # FL+HSDP's leader_broadcast: the replicas get the merged weights from their leader, then mix
+    (["algorithm=diloco_hsdp", "topology=local_8", "trainer.steps=9", "algorithm.every=4", "trainer.precision=fp32",
+      "algorithm.fedavg.mode=leader_broadcast"], OVERLAP),
+], ids=["plain", "overlap", "hsdp-overlap"])
+def test_the_simulator_streams_as_the_trainer_does(tmp_path, layout, streaming):
+    """cluster=simulate runs the same fragments and schedule as the trainer (fp32: within 1e-5),
+    with an all-reduce in flight and a mix too."""
+    common = [*layout, f"algorithm.streaming.fragments={FRAGMENTS}", *streaming]
     trained = train_world(compose_cfg(*common), tmp_path / "trainer")
     from fldp import simulate
 
     cfg = compose_cfg(*common, "cluster=simulate")
     simulate.run(cfg, str(tmp_path / "sim"), prepare(cfg.dataset))
     simulated = read_rows(tmp_path / "sim")
-    assert [r.get("fragments") for r in simulated] == [r.get("fragments") for r in trained]
+    for key in ("fragments", "fragments_sent"):
+        assert [r.get(key) for r in simulated] == [r.get(key) for r in trained]
     assert [r["loss"] for r in simulated] == pytest.approx([r["loss"] for r in trained], rel=1e-5)
