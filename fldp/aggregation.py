@@ -191,7 +191,7 @@ class FedAvg:
         self.broadcast = config.mode == "leader_broadcast" and shape.replicate > 1
         self.leads = not self.broadcast or self.replica_index == 0
         self.reduce_dtype = REDUCE_DTYPES[config.outer.reduce_dtype]
-        self.buckets = self._buckets(int(config.bucket_mb * 2**20))
+        self.buckets, self.bucket_fragment = self._buckets(int(config.bucket_mb * 2**20))
         self._buffers: dict = {}
         self._flying: dict[int, tuple] = {}  # bucket -> (its shards, the copy being reduced, the work)
         if elastic is None:  # elastic: a healing group's copy_ of its peer's shards checks their shapes
@@ -272,17 +272,18 @@ class FedAvg:
     def fragments(self) -> int:
         return self.config.streaming.fragments
 
-    def _buckets(self, bucket_bytes: int) -> list[list[torch.Tensor]]:
-        """Buckets of one fragment each (fragment 0's first), in parameter order within it."""
+    def _buckets(self, bucket_bytes: int) -> tuple[list[list[torch.Tensor]], list[int]]:
+        """Buckets of one fragment each (fragment 0's first), in parameter order within it, and
+        each bucket's fragment."""
         fragment = self.config.streaming.fragment_of([n for n, _ in self.named])
-        buckets, self.bucket_fragment = [], []
+        buckets, fragment_of_bucket = [], []
         for f in range(self.fragments):
             # FSDP2 can leave a rank an empty shard of a small parameter: nothing to send
             locals_ = [_local(p) for p, g in zip(self.params, fragment) if g == f and _local(p).numel()]
             groups = bucket_indices([(t.numel() * t.element_size(), t.dtype) for t in locals_], bucket_bytes)
             buckets += [[locals_[i] for i in group] for group in groups]
-            self.bucket_fragment += [f] * len(groups)
-        return buckets
+            fragment_of_bucket += [f] * len(groups)
+        return buckets, fragment_of_bucket
 
     @torch.no_grad()
     def _adopt(self, bucket: list[torch.Tensor], owners: dict) -> torch.Tensor | None:

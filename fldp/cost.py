@@ -29,6 +29,7 @@ import torch
 from .aggregation import REDUCE_DTYPES, bucket_indices, federated_mask
 from .schedule import aggregation_steps, schedule_of
 from .mesh import DIMS, MeshShape
+from .streaming import StreamingConfig
 
 # the collectives' time costs, Table 1 (D: message bytes, n: processes, B: bytes/s)
 def C_AG(D, n, B): return D * (n - 1) / (n * B)          # noqa: E704
@@ -148,6 +149,29 @@ class Prediction:
     capped: tuple[str, ...] = ()
     flows: dict[str, int] = field(default_factory=dict)
     bandwidth: dict[str, float] = field(default_factory=dict)
+    # algorithm.streaming: per fragment, one aggregation's bytes and collectives per dimension (one
+    # fragment: the whole model's, as aggregation_bytes), the all-reduces in flight during `overlap`
+    # steps; each fragment's gloo seconds (latency included) of its all-reduce on the federation
+    # dimension, and of the merge's broadcast to the replicas (leader_broadcast), which overlap cannot hide
+    fragment_bytes: list[dict[str, float]] = field(default_factory=list)
+    fragment_collectives: list[dict[str, int]] = field(default_factory=list)
+    fragment_seconds: list[float] = field(default_factory=list)
+    fragment_broadcast_seconds: list[float] = field(default_factory=list)
+    overlap: int = 0
+
+    @property
+    def peak_aggregation_bytes(self) -> float:
+        """The most federation bytes one rank sends on an aggregation step of the run's periodic
+        schedule (one fragment; the last step sends every fragment not in flight)."""
+        return max((f.get("federation", 0.0) for f in self.fragment_bytes), default=0.0)
+
+    def exposed_aggregation(self, compute_s: float) -> float:
+        """Seconds of aggregation left on the critical path per period A (each fragment once): its
+        all-reduce less the `overlap` steps of `compute_s` each it is in flight during (all of it
+        without overlap), and the merge's broadcast to the replicas. Only the collectives' time;
+        packing, the outer step and unpacking come on top."""
+        return sum(max(0.0, t - self.overlap * compute_s) + b
+                   for t, b in zip(self.fragment_seconds, self.fragment_broadcast_seconds))
 
     def time(self, dims, ring: bool = False) -> float:
         """Seconds per step of the collectives on `dims`: the gloo variant, or (ring=True) the exact one."""
@@ -163,13 +187,20 @@ class Prediction:
         return sum(sent * self.flows[_DIM_OF.get(k, k)] for k, sent in self.gloo_bytes.items()
                    if _DIM_OF.get(k, k) in self.capped)
 
-    def expected_row(self, aggregated: bool) -> dict:
+    def expected_row(self, aggregated: bool, sent=None, merged=None) -> dict:
         """The bytes_*/collectives_* fields metrics.jsonl must show for one step (rank 0 = the
-        maximum over ranks: shard index 0 holds the largest local shards, replica 0 leads)."""
+        maximum over ranks: shard index 0 holds the largest local shards, replica 0 leads).
+        Streaming: the fragments whose all-reduce started (`sent`) and those merged, whose new
+        weights the leaders broadcast (`merged`); None: the whole model, if `aggregated`."""
         row = {}
         for d in DIMS:
-            extra_b = self.aggregation_bytes.get(d, 0.0) if aggregated else 0.0
-            extra_c = self.aggregation_collectives.get(d, 0) if aggregated else 0
+            if sent is None:
+                extra_b = self.aggregation_bytes.get(d, 0.0) if aggregated else 0.0
+                extra_c = self.aggregation_collectives.get(d, 0) if aggregated else 0
+            else:
+                which = sent if d == "federation" else merged
+                extra_b = sum(self.fragment_bytes[p].get(d, 0.0) for p in which)
+                extra_c = sum(self.fragment_collectives[p].get(d, 0) for p in which)
             row[f"bytes_{d}"] = self.step_bytes.get(d, 0.0) + extra_b
             row[f"collectives_{d}"] = self.step_collectives.get(d, 0) + extra_c
         return row
@@ -179,12 +210,12 @@ def predict(units: Units, shape: MeshShape, bandwidth: dict[str, float], every=N
             mode: str = "leader_broadcast", bucket_mb: float = 25.0,
             reshard_root_after_forward: bool = False, latency: dict[str, float] | None = None,
             steps: int | None = None, federated: list[bool] | None = None,
-            reduce_element_size: int | None = None) -> Prediction:
+            reduce_element_size: int | None = None, streaming: StreamingConfig | None = None) -> Prediction:
     """every: an integer A or a schedule (None: no aggregation); steps: the run's length, over which
     the aggregations are amortised (None: the schedule's long-run rate, 1 / its last A); federated:
     per parameter, whether FedAvg averages it (None: all); reduce_element_size: bytes per element of
     FedAvg's all-reduce (None: the parameters'); its broadcast to the replicas carries the new
-    weights in the parameters' dtype."""
+    weights in the parameters' dtype. streaming: fragments (by units.names) and overlap."""
     F, R, S = shape.federation, shape.replicate, shape.shard
     B_S, B_R, B_F = bandwidth["shard"], bandwidth["replicate"], bandwidth["federation"]
     aggregates = every is not None and F > 1
@@ -219,24 +250,42 @@ def predict(units: Units, shape: MeshShape, bandwidth: dict[str, float], every=N
     if R > 1:
         pred.step_bytes["replicate"] = 2 * (R - 1) / R * sum(padded)
         pred.step_collectives["replicate"] = L
-    payload = weights = 0.0  # bytes of one aggregation's all-reduce input, and of its broadcast, on this rank
+    fragment_weights = []  # per fragment, the bytes of its federated local shards on this rank (the broadcast's)
+    streaming = streaming or StreamingConfig()
+    fragment_rate = [rate]  # per fragment, its aggregations per step
     if aggregates:
-        # FedAvg buckets the federated, non-empty local shards by their own size, then casts
-        local = [b for b, k in zip(units.local_shards(S, 0), keep) if k and b]
-        buckets = len(bucket_indices([(b, None) for b in local], int(bucket_mb * 2**20)))
-        weights = sum(local)
-        payload = weights * cast
-        pred.aggregation_bytes["federation"] = 2 * (F - 1) / F * payload
-        pred.aggregation_collectives["federation"] = buckets
-        if R > 1 and mode == "leader_broadcast":
-            pred.aggregation_bytes["replicate"] = (R - 1) / R * weights
-            pred.aggregation_collectives["replicate"] = buckets
-    pred.bytes_per_step = {d: pred.step_bytes.get(d, 0.0) + pred.aggregation_bytes.get(d, 0.0) * rate for d in DIMS}
-    fed_bcast = pred.aggregation_bytes.get("replicate", 0.0) * rate
+        # FedAvg buckets the federated, non-empty local shards of each fragment by their own size,
+        # then casts; a bucket never spans fragments
+        of = streaming.fragment_of(list(units.names)) if streaming.fragments > 1 else [0] * len(units.params)
+        for p in range(streaming.fragments):
+            local = [b for b, k, f in zip(units.local_shards(S, 0), keep, of) if k and b and f == p]
+            buckets = len(bucket_indices([(b, None) for b in local], int(bucket_mb * 2**20)))
+            bytes_, count = {"federation": 2 * (F - 1) / F * sum(local) * cast}, {"federation": buckets}
+            if R > 1 and mode == "leader_broadcast":
+                bytes_["replicate"], count["replicate"] = (R - 1) / R * sum(local), buckets
+            pred.fragment_bytes.append(bytes_)
+            pred.fragment_collectives.append(count)
+            fragment_weights.append(sum(local))
+        pred.aggregation_bytes = {d: sum(f.get(d, 0.0) for f in pred.fragment_bytes)
+                                  for d in pred.fragment_bytes[0]}
+        pred.aggregation_collectives = {d: sum(f.get(d, 0) for f in pred.fragment_collectives)
+                                        for d in pred.fragment_collectives[0]}
+        if (streaming.fragments > 1 or streaming.exchanges) and steps:
+            # each fragment's sends over the run, from the plan the trainer follows
+            sends = Counter(p for t in range(1, steps + 1)
+                            for p in streaming.exchange(t, schedule[0][1], steps).sends)
+            fragment_rate = [sends[p] / steps for p in range(streaming.fragments)]
+        else:
+            fragment_rate = [rate] * streaming.fragments
+        pred.overlap = streaming.overlap
+    per_step = lambda key, d: sum(getattr(pred, key)[p].get(d, 0) * fragment_rate[p]  # noqa: E731
+                                  for p in range(len(pred.fragment_bytes)))
+    pred.bytes_per_step = {d: pred.step_bytes.get(d, 0.0) + per_step("fragment_bytes", d) for d in DIMS}
+    fed_bcast = per_step("fragment_bytes", "replicate")
     pred.exact = {
         "shard": pred.step_bytes.get("shard", 0.0) / B_S,
         "replicate": pred.step_bytes.get("replicate", 0.0) / B_R,
-        "federation": pred.aggregation_bytes.get("federation", 0.0) * rate / B_F,
+        "federation": per_step("fragment_bytes", "federation") / B_F,
         "broadcast": fed_bcast / B_R,
     }
 
@@ -245,21 +294,27 @@ def predict(units: Units, shape: MeshShape, bandwidth: dict[str, float], every=N
     # sends the whole message to each of the R-1 others); all-gather and all-reduce are rings.
     # Every step of a ring (a broadcast: every send) adds its dimension's latency (alpha-beta).
     lat = {d: (latency or {}).get(d, 0.0) for d in DIMS}
-    buckets = pred.aggregation_collectives.get("federation", 0)
+    broadcasts = "replicate" in pred.aggregation_bytes
     ring = {  # ring steps per step (aggregations amortised over the run)
         "shard": (sum(gathers) * (S - 1) + L * 2 * (S - 1)) if S > 1 else 0,
         "replicate": L * 2 * (R - 1),
-        "federation": buckets * 2 * (F - 1) * rate,
-        "broadcast": buckets * (R - 1) * rate if "replicate" in pred.aggregation_bytes else 0,
+        "federation": per_step("fragment_collectives", "federation") * 2 * (F - 1),
+        "broadcast": per_step("fragment_collectives", "federation") * (R - 1) if broadcasts else 0,
     }
     pred.gloo_bytes = {  # per rank per step
         "shard": (S - 1) * sum(b * (g + 2) for b, g in zip(padded, gathers)),
         "replicate": pred.step_bytes.get("replicate", 0.0),
-        "federation": pred.aggregation_bytes.get("federation", 0.0) * rate,
-        "broadcast": (R - 1) * weights * rate if ring["broadcast"] else 0.0,
+        "federation": per_step("fragment_bytes", "federation"),
+        # gloo's broadcast is flat: the leader sends the weights to each of the R-1 others
+        "broadcast": sum((R - 1) * w * r for w, r in zip(fragment_weights, fragment_rate)) if broadcasts else 0.0,
     }
     pred.gloo = {term: sent / bandwidth[_DIM_OF.get(term, term)] + lat[_DIM_OF.get(term, term)] * ring[term]
                  for term, sent in pred.gloo_bytes.items()}
+    pred.fragment_seconds = [f.get("federation", 0.0) / B_F + lat["federation"] * c["federation"] * 2 * (F - 1)
+                             for f, c in zip(pred.fragment_bytes, pred.fragment_collectives)]
+    pred.fragment_broadcast_seconds = [
+        ((R - 1) * w / B_R + lat["replicate"] * c["replicate"] * (R - 1)) if broadcasts else 0.0
+        for w, c in zip(fragment_weights, pred.fragment_collectives)]
     return pred
 
 
@@ -291,7 +346,8 @@ def predict_for(cfg, units: Units, aggregates: bool | None = None, shape: MeshSh
     latency = {d: (on[d].get("latency_ms", 0.0) + on[d].get("delay_ms", 0.0)) / 1e3 for d in DIMS}
     pred = predict(units, shape, bandwidth, every, mode, bucket_mb, cfg.fsdp.reshard_root_after_forward, latency,
                    steps=planned_steps(cfg, shape.world), federated=federated,
-                   reduce_element_size=reduce_dtype.itemsize if reduce_dtype else None)
+                   reduce_element_size=reduce_dtype.itemsize if reduce_dtype else None,
+                   streaming=StreamingConfig.from_algorithm(cfg.algorithm) if aggregates else None)
     pred.capped = tuple(d for d in DIMS if on[d].get("link") == "node")
     pred.flows = {d: crossing_flows(shape, d, cfg.topology.procs_per_node, leaders and d == "federation")
                   for d in pred.capped}

@@ -2,6 +2,8 @@
 scratch), and sharded with FSDP2 per decoder layer and at the root."""
 from __future__ import annotations
 
+import re
+
 import torch
 from torch.distributed.fsdp import fully_shard
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -41,6 +43,16 @@ def build_model(config: LlamaConfig, device: str | torch.device = "cpu") -> Llam
     """Random-init Llama. On the meta device nothing is allocated: see `init_weights`."""
     with torch.device(device):
         return LlamaForCausalLM(config)
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")  # a decoder layer's parameters: model.layers.<i>.
+
+
+def fsdp_unit(name: str) -> int:
+    """The FSDP unit parallelize() puts a parameter in, by its name, in depth order: 0 the root
+    (embeddings, final norm, lm_head), i + 1 decoder layer i."""
+    m = _LAYER.search(name)
+    return int(m.group(1)) + 1 if m else 0
 
 
 def parallelize(model: LlamaForCausalLM, mesh, dtype: torch.dtype,

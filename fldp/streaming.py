@@ -24,13 +24,12 @@ aggregate at once.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from .errors import ConfigError
+from .model import fsdp_unit
 
 LAYOUTS = ("strided", "contiguous")
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")  # a decoder layer's parameters: model.layers.<i>.
 
 
 @dataclass(frozen=True)
@@ -126,7 +125,7 @@ class StreamingConfig:
 
     def fragment_of(self, names: list[str]) -> list[int]:
         """Each parameter's fragment, by its FSDP unit (the root, or decoder layer i: unit i + 1)."""
-        units = [int(m.group(1)) + 1 if (m := _LAYER.search(name)) else 0 for name in names]
+        units = [fsdp_unit(name) for name in names]
         count = max(units) + 1
         if self.fragments > count:
             raise ConfigError(f"algorithm.streaming.fragments={self.fragments}: the model has {count} FSDP units "

@@ -10,6 +10,7 @@ from fldp.comm import CommMeter
 from fldp.cost import Units, model_units, predict, predict_for, tier_bandwidth
 from fldp.mesh import MeshShape, build_mesh, mesh_shape
 from fldp.model import DTYPES, build_model, llama_config
+from fldp.streaming import StreamingConfig
 
 
 def test_paper_equations_on_a_hand_computed_example():
@@ -55,6 +56,33 @@ def test_schedule_federate_and_reduce_dtype_on_a_hand_computed_example():
     assert q.aggregations_per_step == 1 / 3 and q.aggregation_bytes["federation"] == 1000 + 1 * 100 * 2
 
 
+def test_fragments_and_overlap_on_a_hand_computed_example():
+    """Streaming: names give the units (root; layers 0 and 1), P = 2 strided puts the root and layer
+    1 in fragment 0, layer 0 in fragment 1. fp32, S = 1, F = 2 at 500 B/s: an all-reduce sends
+    2 (F-1)/F = 1x its payload per rank."""
+    names = ("model.embed_tokens.weight", "model.layers.0.w", "model.layers.1.w")
+    units = Units(params=(((10, 10), 2), ((5, 10), 0), ((3, 10), 1)), element_size=4, names=names)
+    bw = {"shard": 1000.0, "replicate": 1000.0, "federation": 500.0}
+    streaming = StreamingConfig(fragments=2, overlap=1)
+    p = predict(units, MeshShape(2, 1, 1), bw, every=4, steps=8, streaming=streaming)
+    assert [f["federation"] for f in p.fragment_bytes] == [(100 + 30) * 4, 50 * 4]  # 520 and 200 bytes
+    assert p.peak_aggregation_bytes == 520 and p.aggregation_bytes["federation"] == 720
+    assert p.fragment_seconds == [520 / 500, 200 / 500]
+    # fragment 0 sent at 1, 5 and the last step, 8; fragment 1 at 3 and 7 (in flight at 8, merged
+    # there): 520 x 3 + 200 x 2 bytes over 8 steps
+    assert p.bytes_per_step["federation"] == pytest.approx((520 * 3 + 200 * 2) / 8)
+    # in flight during one step of 0.8 s: 1.04 - 0.8 = 0.24 s of fragment 0 left on the critical
+    # path per period, none of fragment 1's 0.4 s; without overlap all 1.44 s
+    assert p.exposed_aggregation(0.8) == pytest.approx(0.24) and p.exposed_aggregation(2.0) == 0.0
+    assert predict(units, MeshShape(2, 1, 1), bw, every=4, steps=8,
+                   streaming=StreamingConfig(fragments=2)).exposed_aggregation(0.8) == pytest.approx(1.44)
+    # with 2 replicas (leader_broadcast) the merge's broadcast stays on the critical path: gloo's flat
+    # broadcast sends each fragment's weights (R-1) times at the replicate tier's 1000 B/s
+    h = predict(units, MeshShape(2, 2, 1), bw, every=4, steps=8, streaming=streaming)
+    assert h.fragment_broadcast_seconds == [520 / 1000, 200 / 1000]
+    assert h.exposed_aggregation(0.8) == pytest.approx(0.24 + 0.52 + 0.2)
+
+
 def test_fsdp2_padding_is_accounted():
     units = Units(params=(((5, 3), 0), ((7,), 1)), element_size=2)
     assert units.padded_shard_bytes(4) == [2 * 3 * 2, 2 * 2]         # ceil(5/4)=2 rows, ceil(7/4)=2
@@ -83,8 +111,13 @@ CASES = [  # (overrides, ...) tiny runs of 3 steps, A=2 unless given: aggregatio
     # bf16 weights summed in fp32 (twice their bytes), fp32 weights summed in bf16 (half)
     ["algorithm=fl_hsdp", "topology=local_4", "trainer.precision=bf16", "algorithm.outer.reduce_dtype=fp32"],
     ["algorithm=fl_fsdp", "topology=local_4", "algorithm.outer.reduce_dtype=bf16"],
+    # streaming: 2 fragments, each all-reduced the step before its merge (sent at 1, 3, 5; merged
+    # at 2, 4, 6), its new weights broadcast to the replicas at the merge; the last step both
+    ["algorithm=fl_hsdp", "topology=local_8", "trainer.steps=6", "algorithm.every=4", "algorithm.streaming.fragments=2",
+     "algorithm.streaming.overlap=1", "algorithm.fedavg.bucket_mb=0.1"],
 ]
-AGGREGATED = {"[[0,2],[3,3]]": [2, 5, 6], "2": [2, 3]}  # algorithm.every -> the steps that aggregate, by hand
+# algorithm.every -> the steps that aggregate, by hand (4: streaming's sends and merges)
+AGGREGATED = {"[[0,2],[3,3]]": [2, 5, 6], "2": [2, 3], "4": [1, 2, 3, 4, 5, 6]}
 
 
 @pytest.mark.parametrize("overrides", CASES, ids=["-".join(o.split("=")[1] for o in c) for c in CASES])
@@ -101,12 +134,13 @@ def test_measured_bytes_equal_the_exact_model(tmp_path, overrides):
         every = next(a.split("=", 1)[1] for a in reversed(args) if a.startswith("algorithm.every="))
         assert [r["step"] for r in rows if r["aggregated"]] == AGGREGATED[every]
         summary = json.loads((tmp_path / "summary.json").read_text())
-        assert summary["aggregation_steps"] == AGGREGATED[every]
+        if "fragments" not in rows[0]:  # summary's aggregation_steps: the whole model's schedule
+            assert summary["aggregation_steps"] == AGGREGATED[every]
     if shape.shard > 1:  # per layer 2 all-gathers + 1 reduce-scatter; the root gathers once unless resharded
         units_ = cfg.model.num_hidden_layers + 1
         assert rows[0]["collectives_shard"] == 3 * units_ - (0 if cfg.fsdp.reshard_root_after_forward else 1)
     for row in rows:
-        expected = pred.expected_row(row["aggregated"])
+        expected = pred.expected_row(row["aggregated"], row.get("fragments_sent"), row.get("fragments"))
         measured = {k: row[k] for k in expected}
         assert measured == pytest.approx(expected, rel=1e-12), f"step {row['step']}"
     # over the whole run, the bytes the model amortises per step are the bytes sent
@@ -114,6 +148,10 @@ def test_measured_bytes_equal_the_exact_model(tmp_path, overrides):
         assert sum(r[f"bytes_{d}"] for r in rows) == pytest.approx(len(rows) * pred.bytes_per_step[d], rel=1e-12), d
     if "bucket_mb=0.1" in overrides:
         assert pred.aggregation_collectives["federation"] > 5  # several buckets, each tensor once
+    if "algorithm.streaming.fragments=2" in overrides:  # the fragments' bytes add up to the model's
+        assert [r["fragments_sent"] for r in rows] == [[0], [], [1], [], [0], [1]]
+        parts = [f["federation"] for f in pred.fragment_bytes]  # fragment 0 holds the root: the embeddings
+        assert sum(parts) == pred.aggregation_bytes["federation"] and pred.peak_aggregation_bytes == max(parts)
 
 
 def _meter_rank(device):

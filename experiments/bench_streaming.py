@@ -1,0 +1,150 @@
+"""Streaming aggregation on emulated nodes (issue 22; a benchmark, not a timed test): what overlap
+and fragments take off the critical path, against the cost model, side by side in one run.
+
+Per seed and algorithm (FL+FSDP 4x1x2 and FL+HSDP 2x2x2 on netns_4x2: 4 nodes, each node's link
+capped), five variants of the same run, interleaved so load on the machine hits them alike:
+  plain     P = 1, tau = 0 (today's aggregation, the reference)
+  overlap   P = 1, tau = 1 (the all-reduce in flight during one step)
+  overlap3  P = 1, tau = 3 (during three: as long as the all-reduce takes here, by the model)
+  fragments P = 2, tau = 0 (half the model per aggregation, twice as often)
+  streaming P = 2, tau = 1
+A = 8, 17 steps; measured over steps 2-16 (two whole periods: step 1 starts up, 17 is the last
+step's forced aggregation):
+- aggregation seconds on the critical path per period: the sum of `critical_aggregation` (the
+  slowest rank's) / 2, and the model's (fldp.cost `exposed_aggregation`: each fragment's all-reduce
+  on the link, less tau x the median compute of a step of this run, forward + backward + optimizer,
+  plus FL+HSDP's broadcast of the merged weights to the replicas);
+- step seconds per period (the sum of `time_step` / 2): what overlap buys, if anything;
+- peak federation bytes per aggregation step (the byte meter, rank 0), and the model's;
+- the final eval perplexity.
+Ratios to `plain`, paired by seed: the geometric mean with its 95% t interval (analysis.stats).
+
+    python experiments/bench_streaming.py [--seeds 5] [--out DIR]
+
+Needs root and iproute2. Writes DIR/results.csv (one row per run) and prints the tables.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from analysis.stats import TIE_HIGH, TIE_LOW, paired_ratio  # noqa: E402
+from experiments.bench_netns import compose_cfg  # noqa: E402
+from fldp import netns  # noqa: E402
+from fldp.cost import model_units, predict_for  # noqa: E402
+from fldp.data import load_tokenizer, prepare  # noqa: E402
+from fldp.launch import run_local  # noqa: E402
+from fldp.mesh import mesh_shape  # noqa: E402
+from fldp.model import DTYPES, build_model, llama_config  # noqa: E402
+
+EVERY, STEPS, WINDOW = 8, 17, range(2, 17)  # WINDOW: two whole periods
+PERIODS = len(WINDOW) / EVERY
+VARIANTS = {"plain": (1, 0), "overlap": (1, 1), "overlap3": (1, 3), "fragments": (2, 0), "streaming": (2, 1)}
+ALGORITHMS = {"fl_fsdp": "FL+FSDP", "fl_hsdp": "FL+HSDP"}
+COMMON = ["topology=netns_4x2", f"trainer.steps={STEPS}", f"algorithm.every={EVERY}", "comm.measure=true",
+          "wandb.mode=disabled", "trainer.progress=false", "trainer.eval_batches=null"]
+
+
+def _train(cfg, run_dir, blocks, device):
+    from fldp.trainer import train
+
+    train(cfg, run_dir, blocks, device)
+
+
+def overrides(algorithm: str, variant: str, seed: int) -> list[str]:
+    fragments, overlap = VARIANTS[variant]
+    return [f"algorithm={algorithm}", *COMMON, f"seed={seed}", f"algorithm.streaming.fragments={fragments}",
+            f"algorithm.streaming.overlap={overlap}"]
+
+
+def run(cfg, blocks, tmp: Path) -> dict:
+    """One run through the launcher and trainer `python -m fldp.train` uses, forked from here."""
+    run_dir = tmp / f"{cfg.algorithm.name}-{time.monotonic_ns()}"
+    run_local(_train, (cfg, str(run_dir), blocks), mesh_shape(cfg).world, "cpu", cfg.cluster,
+              network=netns.from_config(cfg))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["network"] == "netns", summary["network"]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r.get("split") is None and r["step"] in WINDOW]
+    compute = statistics.median(r["critical_forward"] + r["critical_backward"] + r["critical_optimizer"]
+                                for r in steps if not r["aggregated"])
+    final = next(r for r in reversed(rows) if r.get("split") == "eval")
+    return {"aggregation_s": sum(r["critical_aggregation"] for r in steps) / PERIODS,
+            "step_s": sum(r["time_step"] for r in steps) / PERIODS, "compute_s": compute,
+            "peak_bytes": max(r["bytes_federation"] for r in steps), "perplexity": final["perplexity"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--out", type=Path, help="write results.csv here (default: a temporary directory)")
+    args = ap.parse_args()
+    start = time.monotonic()
+    cfg0 = compose_cfg(*overrides("fl_fsdp", "plain", 0))
+    netns.check(cfg0, forks_locally=True)
+    blocks = prepare(cfg0.dataset)
+    import fldp.trainer  # noqa: F401  (once here, not in every forked worker)
+
+    vocab = cfg0.model.vocab_size or len(load_tokenizer(str(cfg0.dataset.tokenizer)))
+    units = model_units(build_model(llama_config(cfg0.model, vocab), "meta"), DTYPES[cfg0.trainer.precision])
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in range(args.seeds):
+            for algorithm in ALGORITHMS:
+                for variant in VARIANTS:
+                    cfg = compose_cfg(*overrides(algorithm, variant, seed))
+                    measured = run(cfg, blocks, Path(tmp))
+                    pred = predict_for(cfg, units)
+                    results.append({"seed": seed, "algorithm": algorithm, "variant": variant, **measured,
+                                    "predicted_aggregation_s": pred.exposed_aggregation(measured["compute_s"]),
+                                    "predicted_peak_bytes": pred.peak_aggregation_bytes})
+                    print(f"seed {seed} {algorithm} {variant}: {measured}", flush=True)
+    frame = pd.DataFrame(results)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        with open(args.out / "results.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(results[0]))
+            writer.writeheader()
+            writer.writerows(results)
+
+    link = cfg0.topology.network[-1]
+    print(f"\nnetns_4x2: 4 nodes x 2 ranks, link {link.gbit_s * 1e3:g} Mbit/s per node, model={cfg0.model.name}, "
+          f"A={EVERY}, {STEPS} steps (measured over steps {WINDOW.start}-{WINDOW.stop - 1}), {args.seeds} seeds, "
+          f"{time.monotonic() - start:.0f} s")
+    print("\nper period A (medians over seeds): aggregation on the critical path, measured and the model's "
+          "(link only); step time; peak federation bytes per aggregation step, measured and the model's; "
+          "final eval perplexity")
+    print(f"{'':9s} {'variant':9s} {'agg s':>7s} {'model':>7s} {'step s':>7s} {'compute':>8s} "
+          f"{'peak MB':>8s} {'model':>7s} {'ppl':>7s}")
+    for algorithm, name in ALGORITHMS.items():
+        for variant in VARIANTS:
+            v = frame[(frame.algorithm == algorithm) & (frame.variant == variant)]
+            print(f"{name:9s} {variant:9s} {v.aggregation_s.median():7.3f} {v.predicted_aggregation_s.median():7.3f} "
+                  f"{v.step_s.median():7.3f} {v.compute_s.median():8.3f} {v.peak_bytes.median() / 1e6:8.3f} "
+                  f"{v.predicted_peak_bytes.median() / 1e6:7.3f} {v.perplexity.median():7.2f}")
+    print(f"\nratios to plain, paired by seed: geometric mean [95% t interval]; ppl tie band "
+          f"{TIE_LOW:.3f}-{TIE_HIGH:.3f}")
+    print(f"{'':9s} {'variant':9s} {'aggregation':>24s} {'step':>24s} {'peak bytes':>11s} {'eval ppl':>24s} verdict")
+    for algorithm, name in ALGORITHMS.items():
+        base = frame[(frame.algorithm == algorithm) & (frame.variant == "plain")].set_index("seed")
+        for variant in list(VARIANTS)[1:]:
+            v = frame[(frame.algorithm == algorithm) & (frame.variant == variant)].set_index("seed")
+            agg, step, ppl = (paired_ratio(v[k], base[k]) for k in ("aggregation_s", "step_s", "perplexity"))
+            peak = (v.peak_bytes / base.peak_bytes).median()
+            print(f"{name:9s} {variant:9s} {agg.text():>24s} {step.text():>24s} {peak:11.3f} {ppl.text():>24s} "
+                  f"{ppl.verdict}")
+
+
+if __name__ == "__main__":
+    main()
