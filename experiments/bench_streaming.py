@@ -19,7 +19,10 @@ step's forced aggregation):
 - the final eval perplexity.
 Ratios to `plain`, paired by seed: the geometric mean with its 95% t interval (analysis.stats).
 
-    python experiments/bench_streaming.py [--seeds 5] [--out DIR]
+    python experiments/bench_streaming.py [--seeds 5] [--out DIR] [--algorithms fl_fsdp,fl_hsdp]
+                                          [--variants plain,overlap,...] [OVERRIDES]
+
+(`plain` must be among the variants: the ratios are to it.)
 
 Needs root and iproute2. Writes DIR/results.csv (one row per run) and prints the tables.
 """
@@ -62,10 +65,10 @@ def _train(cfg, run_dir, blocks, device):
     train(cfg, run_dir, blocks, device)
 
 
-def overrides(algorithm: str, variant: str, seed: int) -> list[str]:
+def overrides(algorithm: str, variant: str, seed: int, extra=()) -> list[str]:
     fragments, overlap = VARIANTS[variant]
     return [f"algorithm={algorithm}", *COMMON, f"seed={seed}", f"algorithm.streaming.fragments={fragments}",
-            f"algorithm.streaming.overlap={overlap}"]
+            f"algorithm.streaming.overlap={overlap}", *extra]
 
 
 def run(cfg, blocks, tmp: Path) -> dict:
@@ -89,9 +92,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--out", type=Path, help="write results.csv here (default: a temporary directory)")
+    ap.add_argument("--algorithms", default=",".join(ALGORITHMS))
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides for every run, e.g. algorithm.fedavg.mode=all_replicas")
     args = ap.parse_args()
+    algorithms, variants = args.algorithms.split(","), args.variants.split(",")
+    if "plain" not in variants or not set(variants) <= set(VARIANTS) or not set(algorithms) <= set(ALGORITHMS):
+        ap.error(f"--variants: plain and any of {', '.join(VARIANTS)}; --algorithms: any of {', '.join(ALGORITHMS)}")
     start = time.monotonic()
-    cfg0 = compose_cfg(*overrides("fl_fsdp", "plain", 0))
+    cfg0 = compose_cfg(*overrides(algorithms[0], "plain", 0, args.overrides))
     netns.check(cfg0, forks_locally=True)
     blocks = prepare(cfg0.dataset)
     import fldp.trainer  # noqa: F401  (once here, not in every forked worker)
@@ -101,9 +110,9 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for seed in range(args.seeds):
-            for algorithm in ALGORITHMS:
-                for variant in VARIANTS:
-                    cfg = compose_cfg(*overrides(algorithm, variant, seed))
+            for algorithm in algorithms:
+                for variant in variants:
+                    cfg = compose_cfg(*overrides(algorithm, variant, seed, args.overrides))
                     measured = run(cfg, blocks, Path(tmp))
                     pred = predict_for(cfg, units)
                     results.append({"seed": seed, "algorithm": algorithm, "variant": variant, **measured,
@@ -121,14 +130,15 @@ def main() -> None:
     link = cfg0.topology.network[-1]
     print(f"\nnetns_4x2: 4 nodes x 2 ranks, link {link.gbit_s * 1e3:g} Mbit/s per node, model={cfg0.model.name}, "
           f"A={EVERY}, {STEPS} steps (measured over steps {WINDOW.start}-{WINDOW.stop - 1}), {args.seeds} seeds, "
-          f"{time.monotonic() - start:.0f} s")
+          f"{time.monotonic() - start:.0f} s{'; ' + ' '.join(args.overrides) if args.overrides else ''}")
     print("\nper period A (medians over seeds): aggregation on the critical path, measured and the model's "
-          "(link only); step time; peak federation bytes per aggregation step, measured and the model's; "
+          "(collectives only); step time; peak federation bytes per aggregation step, measured and the model's; "
           "final eval perplexity")
     print(f"{'':9s} {'variant':9s} {'agg s':>7s} {'model':>7s} {'step s':>7s} {'compute':>8s} "
           f"{'peak MB':>8s} {'model':>7s} {'ppl':>7s}")
-    for algorithm, name in ALGORITHMS.items():
-        for variant in VARIANTS:
+    for algorithm in algorithms:
+        name = ALGORITHMS[algorithm]
+        for variant in variants:
             v = frame[(frame.algorithm == algorithm) & (frame.variant == variant)]
             print(f"{name:9s} {variant:9s} {v.aggregation_s.median():7.3f} {v.predicted_aggregation_s.median():7.3f} "
                   f"{v.step_s.median():7.3f} {v.compute_s.median():8.3f} {v.peak_bytes.median() / 1e6:8.3f} "
@@ -136,9 +146,10 @@ def main() -> None:
     print(f"\nratios to plain, paired by seed: geometric mean [95% t interval]; ppl tie band "
           f"{TIE_LOW:.3f}-{TIE_HIGH:.3f}")
     print(f"{'':9s} {'variant':9s} {'aggregation':>24s} {'step':>24s} {'peak bytes':>11s} {'eval ppl':>24s} verdict")
-    for algorithm, name in ALGORITHMS.items():
+    for algorithm in algorithms:
+        name = ALGORITHMS[algorithm]
         base = frame[(frame.algorithm == algorithm) & (frame.variant == "plain")].set_index("seed")
-        for variant in list(VARIANTS)[1:]:
+        for variant in [v for v in variants if v != "plain"]:
             v = frame[(frame.algorithm == algorithm) & (frame.variant == variant)].set_index("seed")
             agg, step, ppl = (paired_ratio(v[k], base[k]) for k in ("aggregation_s", "step_s", "perplexity"))
             peak = (v.peak_bytes / base.peak_bytes).median()

@@ -420,6 +420,9 @@ def table(cfg) -> list[dict]:
             **{f"bytes_{d}_per_step": pred.bytes_per_step[d] for d in DIMS},
             "measured_step_s": measured.get(name),
             "gloo_total_s": sum(pred.gloo.values()), "gloo_capped_s": pred.capped_time() if pred.capped else None,
+            # algorithm.streaming: the largest fragment's share of one whole-model aggregation's bytes
+            "peak_share": (pred.peak_aggregation_bytes / pred.aggregation_bytes["federation"]
+                           if pred.aggregation_bytes.get("federation") else None),
         })
     return rows
 
@@ -445,12 +448,16 @@ def _print_table(cfg, rows) -> None:
     })
     if df.measured_step_s.notna().any():
         show["paper Table 4 step"] = df.measured_step_s
+    if (cfg.algorithm.get("streaming") or {}).get("fragments", 1) > 1:
+        show["peak share"] = df.peak_share  # the largest fragment's bytes / the whole model's
     capped = df.gloo_capped_s.notna().any()
     if capped:  # a netns topology: what gloo sends, and the part on the capped inter-node link
         show["gloo total"], show["gloo on link"] = df.gloo_total_s, df.gloo_capped_s
     print(show.to_string(float_format=lambda x: f"{x:.4g}"))
     print("\nseconds per step (aggregations amortised over the run's steps); 'paper' = Eq. 1-5 as printed, "
           "'exact' = bytes a ring collective sends per rank / B; GB = exact bytes sent per rank per step")
+    if "peak share" in show:
+        print("peak share = the largest streaming fragment's bytes per aggregation / the whole model's")
     if capped:
         print("B of a `link: node` tier = the node's link / the flows crossing it at once; 'gloo' = exact with "
               "gloo's reduce-scatter (an all-reduce) and broadcast (flat), plus latency_ms per collective")
