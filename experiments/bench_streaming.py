@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from analysis.stats import TIE_HIGH, TIE_LOW, paired_ratio  # noqa: E402
-from experiments.bench_netns import compose_cfg  # noqa: E402
+from bench_netns import compose_cfg  # noqa: E402  (this script's folder is on sys.path)
 from fldp import netns  # noqa: E402
 from fldp.cost import model_units, predict_for  # noqa: E402
 from fldp.data import load_tokenizer, prepare  # noqa: E402

@@ -246,15 +246,21 @@ class FedAvg:
         while it is in flight), of the weights or, casting, of their change."""
         self._check_live()
         for i in self._chosen(fragments):
-            bucket = self.buckets[i]
-            flat = torch.empty(sum(t.numel() for t in bucket), dtype=self.reduce_dtype or bucket[0].dtype,
-                               device=bucket[0].device)
-            if self.reference[i] is None:
-                _pack(bucket, flat, range(len(bucket)))
-            else:
-                _pack_change(bucket, self._base(i), flat)
+            flat = self._copy_out(i)
             work = dist.all_reduce(flat, group=self.federation, async_op=True) if self.leads else None
-            self._flying[i] = (bucket, flat, work)
+            self._flying[i] = (self.buckets[i], flat, work)
+
+    def _copy_out(self, index: int) -> torch.Tensor:
+        """A new flat tensor of bucket `index`, in the reduce dtype: every shard's weights, or,
+        casting, their change since the base (what the all-reduce averages)."""
+        bucket = self.buckets[index]
+        flat = torch.empty(sum(t.numel() for t in bucket), dtype=self.reduce_dtype or bucket[0].dtype,
+                           device=bucket[0].device)
+        if self.reference[index] is None:
+            _pack(bucket, flat, range(len(bucket)))
+        else:
+            _pack_change(bucket, self._base(index), flat)
+        return flat
 
     @torch.no_grad()
     def _merge(self, fragments: tuple[int, ...], alpha: float) -> None:
@@ -384,15 +390,9 @@ class FedAvg:
         group with its own weights until the next aggregation."""
         self.participants = self.elastic.quorum()
         pending = []
-        for i in chosen:
-            bucket = self.buckets[i]
-            flat = torch.empty(sum(t.numel() for t in bucket), dtype=self.reduce_dtype or bucket[0].dtype,
-                               device=bucket[0].device)
-            if self.reference[i] is None:
-                _pack(bucket, flat, self._copied[i])
-            else:
-                _pack_change(bucket, self._base(i), flat)
-            pending.append((i, bucket, flat, self.elastic.all_reduce_mean(flat) if self.leads else None))
+        for i in chosen:  # never resident (see __init__): every shard is copied out
+            flat = self._copy_out(i)
+            pending.append((i, self.buckets[i], flat, self.elastic.all_reduce_mean(flat) if self.leads else None))
         for *_, work in pending:
             if work is not None:
                 work.wait()

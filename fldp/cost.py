@@ -252,13 +252,14 @@ def predict(units: Units, shape: MeshShape, bandwidth: dict[str, float], every=N
         pred.step_collectives["replicate"] = L
     fragment_weights = []  # per fragment, the bytes of its federated local shards on this rank (the broadcast's)
     streaming = streaming or StreamingConfig()
-    fragment_rate = [rate]  # per fragment, its aggregations per step
+    fragment_rate: list[float] = []  # per fragment, its aggregations per step
     if aggregates:
         # FedAvg buckets the federated, non-empty local shards of each fragment by their own size,
         # then casts; a bucket never spans fragments
         of = streaming.fragment_of(list(units.names)) if streaming.fragments > 1 else [0] * len(units.params)
+        shards = units.local_shards(S, 0)
         for p in range(streaming.fragments):
-            local = [b for b, k, f in zip(units.local_shards(S, 0), keep, of) if k and b and f == p]
+            local = [b for b, k, f in zip(shards, keep, of) if k and b and f == p]
             buckets = len(bucket_indices([(b, None) for b in local], int(bucket_mb * 2**20)))
             bytes_, count = {"federation": 2 * (F - 1) / F * sum(local) * cast}, {"federation": buckets}
             if R > 1 and mode == "leader_broadcast":

@@ -298,10 +298,11 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None,
                 recorder.log(evaluation)
         # a checkpoint waits for the step after a fragment's all-reduce in flight is merged (overlap)
         owed = checkpointer is not None and (owed or checkpointer.due(step))
-        if owed and not (fedavg is not None and fedavg.in_flight):
+        settled = fedavg is None or not fedavg.in_flight
+        if owed and settled:
             checkpointer.save(step, model, optimizer, scheduler)
             owed = False
-        if checkpointer is not None and not (fedavg is not None and fedavg.in_flight):
+        if checkpointer is not None and settled:
             checkpointer.stop_if_warned(step, model, optimizer, scheduler, device)  # SLURM's time-limit warning
 
     if checkpointer is not None:
