@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import re
 import signal
@@ -125,6 +126,9 @@ def _local_worker(index, fn, args, world, addr, port, device_type, timeout_s, th
     # A terminal's Ctrl-C reaches the whole process group: the launcher alone acts on it and stops
     # the workers, instead of each rank raising KeyboardInterrupt wherever it happens to be.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A launcher interrupted by an error of its own (a test's time limit) asks the workers where
+    # they are: each prints every thread's stack to stderr (_dump_stacks).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     _die_with_parent(parent)
     try:
         if network is not None:  # before any socket or thread: they would stay in the host's namespace
@@ -177,7 +181,11 @@ def run_local(fn, args: tuple, world: int, device_type: str, cluster_cfg, networ
                 if interrupts.signum:
                     break
                 p.start()
-            _watch(procs, deaths, interrupts)
+            try:
+                _watch(procs, deaths, interrupts)
+            except BaseException:
+                _dump_stacks(procs)
+                raise
         finally:
             _stop([p for p in procs if p.pid is not None])
             if network is not None:
@@ -271,6 +279,17 @@ class _Interrupts:
 def _drain(queue):
     while not queue.empty():
         yield queue.get()
+
+
+def _dump_stacks(procs, wait_s: float = 0.25) -> None:
+    """Each worker still running prints every thread's stack to stderr (SIGUSR1, faulthandler):
+    where they were stuck when the launcher itself failed, say at a test's time limit. One at a
+    time, so their reports do not interleave on the shared stderr."""
+    for p in procs:
+        if p.pid is not None and p.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGUSR1)
+            time.sleep(wait_s)
 
 
 def _stop(procs, patience_s: float = 5.0) -> None:

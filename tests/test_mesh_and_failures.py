@@ -163,3 +163,32 @@ def _parent(pid: str) -> int | None:
             return int(f.read().rsplit(")", 1)[1].split()[1])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def _stuck_forever(device):
+    time.sleep(3600)
+
+
+class _LauncherTimedOut(Exception):
+    pass
+
+
+@pytest.mark.timeout(90)
+def test_a_launcher_failing_on_its_own_prints_where_each_worker_is_stuck(capfd):
+    """A hang the suite cannot explain from the launcher's side (a test's time limit): before the
+    workers are stopped, each prints every thread's stack, so the report shows where they were."""
+    import signal
+
+    def time_limit(signum, frame):
+        raise _LauncherTimedOut()
+
+    previous = signal.signal(signal.SIGALRM, time_limit)
+    signal.alarm(8)
+    try:
+        with pytest.raises(_LauncherTimedOut):
+            run_world(_stuck_forever, 2, timeout_s=60)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    err = capfd.readouterr().err
+    assert "in _stuck_forever" in err and "thread 0x" in err, err[-3000:]
