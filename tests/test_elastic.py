@@ -130,6 +130,25 @@ def test_a_killed_group_costs_only_itself_heals_from_a_peer_and_rejoins(tmp_path
     assert [(e["group"], e["exit"], e["restarted"]) for e in events] == [(2, "signal SIGKILL", True)]
 
 
+def test_a_killed_fl_hsdp_group_costs_only_itself_and_heals_every_replica_from_the_survivor(tmp_path, monkeypatch):
+    """fl_hsdp 2x2x2 (leader_broadcast: only replica 0 of a group joins the cross-group average):
+    every rank of group 1 SIGKILLed after step 5, between aggregations. Group 0 trains every step
+    once and aggregates alone (1 participant) until group 1, restarted, heals all four of its ranks
+    from it (each replica too: the broadcast leaves them nothing of their own) and rejoins."""
+    cfg = compose_cfg("algorithm=fl_hsdp", "topology=local_8", *SHORT, "trainer.steps=48")
+    weights = run_elastic(cfg, tmp_path, "group=1,step=5", monkeypatch)
+    rows = records(tmp_path, 0)
+    assert steps_of(rows) == list(range(1, 49))  # no step missing or recorded twice
+    participants = {r["step"]: r["participants"] for r in rows if "participants" in r}
+    assert participants[4] == 2 and participants[8] == 1 and participants[48] == 2, participants
+    rows = records(tmp_path, 1)
+    heal = next(r for r in rows if r.get("split") == "heal")
+    assert heal["healed_from"] == [0, 0, 0, 0] and heal["restart"] == 1 and heal["step"] % 4 == 0
+    assert 8 <= heal["step"] < 48 and heal["participants"] == 1 and heal["committed"]
+    assert steps_of(rows) == [*range(1, 6), *range(heal["step"] + 1, 49)]
+    assert identical(weights[1], weights[0])
+
+
 def test_a_group_killed_inside_an_aggregation_leaves_the_others_their_own_weights_until_the_next(
         tmp_path, monkeypatch):
     """DiLoCo on fl_hsdp's 2x2x2 (leader_broadcast; the outer Nesterov momentum must be healed too):
