@@ -8,6 +8,8 @@ capped), five variants of the same run, interleaved so load on the machine hits 
   overlap3  P = 1, tau = 3 (during three: as long as the all-reduce takes here, by the model)
   fragments P = 2, tau = 0 (half the model per aggregation, twice as often)
   streaming P = 2, tau = 1
+and, asked for with --variants, what crosses: bf16 (the change in bf16: algorithm.outer.reduce_dtype),
+int8, fp8, int4 and int4_ef (algorithm.outer.quantize, blocks of 256; _ef: error feedback).
 A = 8, 17 steps; measured over steps 2-16 (two whole periods: step 1 starts up, 17 is the last
 step's forced aggregation):
 - aggregation seconds on the critical path per period: the sum of `critical_aggregation` (the
@@ -53,7 +55,16 @@ from fldp.model import DTYPES, build_model, llama_config  # noqa: E402
 
 EVERY, STEPS, WINDOW = 8, 17, range(2, 17)  # WINDOW: two whole periods
 PERIODS = len(WINDOW) / EVERY
-VARIANTS = {"plain": (1, 0), "overlap": (1, 1), "overlap3": (1, 3), "fragments": (2, 0), "streaming": (2, 1)}
+STREAM = "algorithm.streaming"
+VARIANTS = {  # name -> its overrides; the first five are the default (the committed tables)
+    "plain": [], "overlap": [f"{STREAM}.overlap=1"], "overlap3": [f"{STREAM}.overlap=3"],
+    "fragments": [f"{STREAM}.fragments=2"], "streaming": [f"{STREAM}.fragments=2", f"{STREAM}.overlap=1"],
+    # what crosses: the change in bf16 (reduce_dtype), or quantised (fldp/quantize.py, blocks of 256)
+    "bf16": ["algorithm.outer.reduce_dtype=bf16"], "int8": ["algorithm.outer.quantize=int8"],
+    "fp8": ["algorithm.outer.quantize=fp8"], "int4": ["algorithm.outer.quantize=int4"],
+    "int4_ef": ["algorithm.outer.quantize=int4", "algorithm.outer.error_feedback=true"],
+}
+DEFAULT_VARIANTS = ["plain", "overlap", "overlap3", "fragments", "streaming"]
 ALGORITHMS = {"fl_fsdp": "FL+FSDP", "fl_hsdp": "FL+HSDP"}
 COMMON = ["topology=netns_4x2", f"trainer.steps={STEPS}", f"algorithm.every={EVERY}", "comm.measure=true",
           "wandb.mode=disabled", "trainer.progress=false", "trainer.eval_batches=null"]
@@ -66,9 +77,7 @@ def _train(cfg, run_dir, blocks, device):
 
 
 def overrides(algorithm: str, variant: str, seed: int, extra=()) -> list[str]:
-    fragments, overlap = VARIANTS[variant]
-    return [f"algorithm={algorithm}", *COMMON, f"seed={seed}", f"algorithm.streaming.fragments={fragments}",
-            f"algorithm.streaming.overlap={overlap}", *extra]
+    return [f"algorithm={algorithm}", *COMMON, f"seed={seed}", *VARIANTS[variant], *extra]
 
 
 def run(cfg, blocks, tmp: Path) -> dict:
@@ -93,7 +102,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--out", type=Path, help="write results.csv here (default: a temporary directory)")
     ap.add_argument("--algorithms", default=",".join(ALGORITHMS))
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"plain and any of {', '.join(VARIANTS)}")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for every run, e.g. algorithm.fedavg.mode=all_replicas")
     args = ap.parse_args()
     algorithms, variants = args.algorithms.split(","), args.variants.split(",")
@@ -145,7 +154,9 @@ def main() -> None:
                   f"{v.predicted_peak_bytes.median() / 1e6:7.3f} {v.perplexity.median():7.2f}")
     print(f"\nratios to plain, paired by seed: geometric mean [95% t interval]; ppl tie band "
           f"{TIE_LOW:.3f}-{TIE_HIGH:.3f}")
-    print(f"{'':9s} {'variant':9s} {'aggregation':>24s} {'step':>24s} {'peak bytes':>11s} {'eval ppl':>24s} verdict")
+    bf16 = "bf16" in variants  # the quantised bytes against the change sent in bf16 too
+    print(f"{'':9s} {'variant':9s} {'aggregation':>24s} {'step':>24s} {'peak bytes':>11s} "
+          f"{'/ bf16' if bf16 else '':>7s} {'eval ppl':>24s} verdict")
     for algorithm in algorithms:
         name = ALGORITHMS[algorithm]
         base = frame[(frame.algorithm == algorithm) & (frame.variant == "plain")].set_index("seed")
@@ -153,8 +164,10 @@ def main() -> None:
             v = frame[(frame.algorithm == algorithm) & (frame.variant == variant)].set_index("seed")
             agg, step, ppl = (paired_ratio(v[k], base[k]) for k in ("aggregation_s", "step_s", "perplexity"))
             peak = (v.peak_bytes / base.peak_bytes).median()
-            print(f"{name:9s} {variant:9s} {agg.text():>24s} {step.text():>24s} {peak:11.3f} {ppl.text():>24s} "
-                  f"{ppl.verdict}")
+            halves = frame[(frame.algorithm == algorithm) & (frame.variant == "bf16")].set_index("seed")
+            to_bf16 = f"{(v.peak_bytes / halves.peak_bytes).median():7.4f}" if bf16 else ""
+            print(f"{name:9s} {variant:9s} {agg.text():>24s} {step.text():>24s} {peak:11.4f} {to_bf16:>7s} "
+                  f"{ppl.text():>24s} {ppl.verdict}")
 
 
 if __name__ == "__main__":

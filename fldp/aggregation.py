@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .mesh import ConfigError, MeshShape
+from .quantize import Quantizer, all_reduce_mean, residual_for
 from .schedule import aggregation_steps, schedule_of
 from .schema import check_values
 from .streaming import Exchange, StreamingConfig
@@ -62,9 +63,19 @@ class OuterConfig:
     betas: tuple = (0.9, 0.99)
     eps: float | None = None           # None: OUTER_DEFAULTS[name]
     reduce_dtype: str | None = None   # None: the parameters' dtype (the authors' bf16 all-reduce)
+    quantize: str | None = None       # fldp/quantize.py: int8, fp8, int4; None: not quantised
+    quantize_block: int = 256
+    error_feedback: bool = False
 
     def __post_init__(self):
         check_values({f"algorithm.outer.{k}": getattr(self, k) for k in self.__dataclass_fields__})
+        Quantizer.of(self)  # its own checks
+        if self.quantize and self.reduce_dtype is not None:
+            raise ConfigError(f"algorithm.outer.reduce_dtype={self.reduce_dtype} with algorithm.outer.quantize="
+                              f"{self.quantize}: the quantised exchange sums in fp32; set reduce_dtype to null")
+        if self.error_feedback and not self.quantize:
+            raise ConfigError("algorithm.outer.error_feedback=true: needs algorithm.outer.quantize (int8, fp8 "
+                              "or int4); without it nothing is lost to feed back")
         for key, value in OUTER_DEFAULTS[self.name].items():
             if getattr(self, key) is None:
                 object.__setattr__(self, key, value)
@@ -190,7 +201,9 @@ class FedAvg:
         # outer step), then hands the result to its replicas.
         self.broadcast = config.mode == "leader_broadcast" and shape.replicate > 1
         self.leads = not self.broadcast or self.replica_index == 0
-        self.reduce_dtype = REDUCE_DTYPES[config.outer.reduce_dtype]
+        # quantised: each group's change is taken in fp32 and crosses in 8 or 4 bits (fldp/quantize.py)
+        self.quantizer = Quantizer.of(config.outer)
+        self.reduce_dtype = torch.float32 if self.quantizer else REDUCE_DTYPES[config.outer.reduce_dtype]
         self.buckets, self.bucket_fragment = self._buckets(int(config.bucket_mb * 2**20))
         self._buffers: dict = {}
         self._flying: dict[int, tuple] = {}  # bucket -> (its shards, the copy being reduced, the work)
@@ -212,8 +225,10 @@ class FedAvg:
         self._sources = [(n, p, _local(p)) for n, p in self.named if _local(p).numel()]
         # per casting bucket: the weights at the last aggregation, in the parameters' dtype; the same
         # in every group, so the groups' mean change lands them all on the groups' average
-        self.reference = [self._reference(b) if self.reduce_dtype not in (None, b[0].dtype) else None
-                          for b in self.buckets]
+        self.reference = [self._reference(b) if self._sends_change(b) else None for b in self.buckets]
+        # error feedback: per bucket, what this rank's last quantisation lost (fp32, padded)
+        self.residuals = ([residual_for(sum(t.numel() for t in b), shape.federation, self.quantizer, b[0].device)
+                           for b in self.buckets] if config.outer.error_feedback else None)
         self.outer = (Outer(config.outer, [ref if ref is not None else torch.cat([t.reshape(-1) for t in b])
                                            for ref, b in zip(self.reference, self.buckets)])
                       if self.leads and not config.outer.averages else None)
@@ -247,8 +262,7 @@ class FedAvg:
         self._check_live()
         for i in self._chosen(fragments):
             flat = self._copy_out(i)
-            work = dist.all_reduce(flat, group=self.federation, async_op=True) if self.leads else None
-            self._flying[i] = (self.buckets[i], flat, work)
+            self._flying[i] = (self.buckets[i], flat, self._start_mean(i, flat) if self.leads else None)
 
     def _copy_out(self, index: int) -> torch.Tensor:
         """A new flat tensor of bucket `index`, in the reduce dtype: every shard's weights, or,
@@ -297,7 +311,7 @@ class FedAvg:
         once); None if none can be (a cast to reduce_dtype, no FSDP2 shard, resident=False), and the bucket is
         then packed per aggregation as before. The bucket's layout is the packed one, so the
         all-reduce sums the same bytes in the same order: the same bits."""
-        if self.reduce_dtype not in (None, bucket[0].dtype) or not owners:  # no FSDP2 shard to host (resident=False)
+        if self._sends_change(bucket) or not owners:  # no FSDP2 shard to host (resident=False)
             self._copied.append(list(range(len(bucket))))
             self._hosted.append(())
             return None
@@ -377,8 +391,7 @@ class FedAvg:
                 _pack(bucket, flat, self._copied[i])
             else:
                 _pack_change(bucket, self._base(i), flat)
-            work = dist.all_reduce(flat, group=self.federation, async_op=True) if self.leads else None
-            pending.append((i, bucket, flat, work))
+            pending.append((i, bucket, flat, self._start_mean(i, flat, feedback=outer_step) if self.leads else None))
         while pending:
             self._finish(*pending.popleft(), outer_step)
         return True
@@ -410,6 +423,21 @@ class FedAvg:
             self._buffers[key] = torch.empty(numel, dtype=dtype, device=bucket[0].device)
         return self._buffers[key][:numel]
 
+    def _sends_change(self, bucket: list[torch.Tensor]) -> bool:
+        """Whether the bucket's change since the last aggregation is reduced, not its weights: a cast
+        to reduce_dtype, or a quantised exchange."""
+        return self.quantizer is not None or self.reduce_dtype not in (None, bucket[0].dtype)
+
+    def _start_mean(self, index: int, flat: torch.Tensor, feedback: bool = True):
+        """Start the groups' mean of `flat`, in place: its handle's wait() leaves the mean there.
+        Quantised, it is done at once (two dependent collectives), and only a training aggregation
+        (`feedback`) moves the error-feedback residual."""
+        if self.quantizer is None:
+            return _Divided(dist.all_reduce(flat, group=self.federation, async_op=True), flat, self.shape.federation)
+        residual = self.residuals[index] if self.residuals is not None and feedback else None
+        all_reduce_mean(flat, self.quantizer, self.federation, residual)
+        return _Divided(None, flat, 1)
+
     def _base(self, index: int) -> torch.Tensor:
         """What a casting bucket's change is taken from: the anchor, or the reference."""
         return self.outer.anchors[index] if self.outer is not None else self.reference[index]
@@ -417,8 +445,6 @@ class FedAvg:
     def _finish(self, index, bucket, flat, work, outer_step: bool, every_shard: bool = False) -> None:
         if work is not None:
             work.wait()
-            # gloo has no AVG: sum, then divide (identical bits on every rank of the group)
-            flat.div_(self.shape.federation)
         self._apply(index, bucket, flat, work is not None, outer_step, every_shard)
 
     def _apply(self, index, bucket, flat, reduced: bool, outer_step: bool, every_shard: bool = False) -> None:
@@ -459,7 +485,8 @@ class FedAvg:
     # the outer state, for checkpoints (fldp.checkpoint saves registered stateful components)
     def state_dict(self) -> dict:
         refs = {f"reference_{i}": ref for i, ref in enumerate(self.reference) if ref is not None}
-        return {**(self.outer.state_dict() if self.outer is not None else {}), **refs}
+        residuals = {f"residual_{i}": r for i, r in enumerate(self.residuals or ())}
+        return {**(self.outer.state_dict() if self.outer is not None else {}), **refs, **residuals}
 
     def load_state_dict(self, state: dict) -> None:
         if self.outer is not None:
@@ -467,6 +494,22 @@ class FedAvg:
         for i, ref in enumerate(self.reference):
             if ref is not None:
                 ref.copy_(state[f"reference_{i}"])
+        for i, residual in enumerate(self.residuals or ()):
+            residual.copy_(state[f"residual_{i}"])
+
+
+class _Divided:
+    """An all-reduce's handle whose wait() leaves the mean: gloo has no AVG, so sum, then divide
+    (identical bits on every rank of the group)."""
+
+    def __init__(self, work, flat: torch.Tensor, groups: int):
+        self.work, self.flat, self.groups = work, flat, groups
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        if self.groups != 1:
+            self.flat.div_(self.groups)
 
 
 class Outer:

@@ -306,8 +306,9 @@ def group_bytes(cfg, shape: MeshShape, names_sizes: list[tuple[str, int]]) -> tu
     (AdamW: 2 moments; SGD with momentum: 1; DCP saves the group's replicas once), plus the outer
     optimiser's fp32 anchor and state on the federated parameters unless it is plain FedAvg (see
     fldp.aggregation), kept by every replica in all_replicas mode, by replica 0 in leader_broadcast;
-    and where algorithm.outer.reduce_dtype casts, every replica's copy of the federated weights at
-    the last aggregation (the change is reduced from it)."""
+    and where algorithm.outer.reduce_dtype casts or algorithm.outer.quantize quantises, every
+    replica's copy of the federated weights at the last aggregation (the change is reduced from it),
+    and with error feedback every replica's fp32 residual."""
     from .aggregation import FedAvgConfig
     from .model import DTYPES
 
@@ -320,10 +321,13 @@ def group_bytes(cfg, shape: MeshShape, names_sizes: list[tuple[str, int]]) -> tu
         return total, held
     names = [name for name, _ in names_sizes]
     federated = sum(n for (_, n), keep in zip(names_sizes, federation.federated(names)) if keep)
-    if federation.outer.reduce_dtype not in (None, cfg.trainer.precision):
-        # a casting reduce: every replica keeps the weights of the last aggregation (the reference)
+    if federation.outer.reduce_dtype not in (None, cfg.trainer.precision) or federation.outer.quantize:
+        # a casting or quantised reduce: every replica keeps the weights of the last aggregation (the reference)
         total += shape.replicate * federated * width
         held += f" + the last aggregation's weights x {shape.replicate} replicas"
+    if federation.outer.error_feedback:  # fp32, each bucket padded to whole blocks (not counted)
+        total += shape.replicate * federated * 4
+        held += f" + the quantisation's fp32 error feedback x {shape.replicate} replicas"
     if not federation.outer.averages:
         outer = federation.outer
         moments = 2 if outer.name == "adam" else (1 if outer.momentum else 0)

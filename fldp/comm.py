@@ -34,9 +34,10 @@ def _nbytes(x) -> int:
 def ring_bytes(kind: str, payload: int, n: int) -> float:
     """Bytes one rank sends in a bandwidth-optimal collective over n ranks. `payload` is the
     full gathered / reduced message (for all-gather the output, for reduce-scatter the input).
-    Broadcast: a pipelined chain in which every rank but the last forwards the message once
+    All-to-all: the input, less the part a rank keeps. Broadcast: a pipelined chain in which every
+    rank but the last forwards the message once
     (the mean over ranks)."""
-    factor = {"all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
+    factor = {"all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_to_all": (n - 1) / n,
               "all_reduce": 2 * (n - 1) / n, "broadcast": (n - 1) / n}[kind]
     return payload * factor
 
@@ -54,6 +55,9 @@ COLLECTIVES = {
     "all_reduce": ("all_reduce", "tensor"),
     "all_reduce_coalesced": ("all_reduce", "tensors"),
     "broadcast": ("broadcast", "tensor"),
+    # the quantised aggregation's first stage (fldp/quantize.py): each rank keeps 1/n of its input
+    "all_to_all_single": ("all_to_all", "input"),
+    "all_to_all": ("all_to_all", "input_tensor_list"),
 }
 
 

@@ -11,7 +11,7 @@
 Both variants amortise the aggregations over the run as the trainer runs them: their number from
 the schedule (fldp.schedule.aggregation_steps, the last step included), only the federated
 parameters (`algorithm.federate`), in `algorithm.outer.reduce_dtype` (fp32 sums of bf16 weights
-send twice the bytes).
+send twice the bytes) or quantised (`algorithm.outer.quantize`: 8 or 4 bits and the scales).
 
 Bandwidths: each mesh dimension's groups span a block of consecutive ranks (shard: S, replicate:
 R*S, federation: F*R*S); B for the dimension is that of the smallest network tier holding the
@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .aggregation import REDUCE_DTYPES, bucket_indices, federated_mask
+from .aggregation import REDUCE_DTYPES, OuterConfig, bucket_indices, federated_mask
 from .schedule import aggregation_steps, schedule_of
 from .mesh import DIMS, MeshShape
+from .quantize import Quantizer
 from .streaming import StreamingConfig
 
 # the collectives' time costs, Table 1 (D: message bytes, n: processes, B: bytes/s)
@@ -210,12 +211,15 @@ def predict(units: Units, shape: MeshShape, bandwidth: dict[str, float], every=N
             mode: str = "leader_broadcast", bucket_mb: float = 25.0,
             reshard_root_after_forward: bool = False, latency: dict[str, float] | None = None,
             steps: int | None = None, federated: list[bool] | None = None,
-            reduce_element_size: int | None = None, streaming: StreamingConfig | None = None) -> Prediction:
+            reduce_element_size: int | None = None, streaming: StreamingConfig | None = None,
+            quantizer: Quantizer | None = None) -> Prediction:
     """every: an integer A or a schedule (None: no aggregation); steps: the run's length, over which
     the aggregations are amortised (None: the schedule's long-run rate, 1 / its last A); federated:
     per parameter, whether FedAvg averages it (None: all); reduce_element_size: bytes per element of
     FedAvg's all-reduce (None: the parameters'); its broadcast to the replicas carries the new
-    weights in the parameters' dtype. streaming: fragments (by units.names) and overlap."""
+    weights in the parameters' dtype. streaming: fragments (by units.names) and overlap. quantizer:
+    algorithm.outer.quantize, each bucket's change padded to F chunks of whole blocks, sent with its
+    scales in an all-to-all and an all-gather ((F - 1) / F of it each, as a ring all-reduce's halves)."""
     F, R, S = shape.federation, shape.replicate, shape.shard
     B_S, B_R, B_F = bandwidth["shard"], bandwidth["replicate"], bandwidth["federation"]
     aggregates = every is not None and F > 1
@@ -227,6 +231,8 @@ def predict(units: Units, shape: MeshShape, bandwidth: dict[str, float], every=N
     keep = federated if federated is not None else [True] * len(units.params)
     # FedAvg's payload per element against the parameters' (a cast to reduce_dtype)
     cast = (reduce_element_size or units.element_size) / units.element_size
+    if quantizer is not None:  # the paper's variant: no padding
+        cast = quantizer.wire_bytes(quantizer.block) / quantizer.block / units.element_size
 
     # --- paper variant: M L with M the (unpadded) layer shard size; FedAvg's of the federated ones
     ML = units.total_bytes() / S
@@ -260,8 +266,13 @@ def predict(units: Units, shape: MeshShape, bandwidth: dict[str, float], every=N
         shards = units.local_shards(S, 0)
         for p in range(streaming.fragments):
             local = [b for b, k, f in zip(shards, keep, of) if k and b and f == p]
-            buckets = len(bucket_indices([(b, None) for b in local], int(bucket_mb * 2**20)))
+            grouped = bucket_indices([(b, None) for b in local], int(bucket_mb * 2**20))
+            buckets = len(grouped)
             bytes_, count = {"federation": 2 * (F - 1) / F * sum(local) * cast}, {"federation": buckets}
+            if quantizer is not None:  # per bucket: (F - 1) / F of F padded chunks, twice
+                elements = [sum(local[i] for i in g) // units.element_size for g in grouped]
+                bytes_["federation"] = sum(2 * (F - 1) * quantizer.wire_bytes(quantizer.chunk(n, F)) for n in elements)
+                count["federation"] = 2 * buckets
             if R > 1 and mode == "leader_broadcast":
                 bytes_["replicate"], count["replicate"] = (R - 1) / R * sum(local), buckets
             pred.fragment_bytes.append(bytes_)
@@ -295,12 +306,15 @@ def predict(units: Units, shape: MeshShape, bandwidth: dict[str, float], every=N
     # sends the whole message to each of the R-1 others); all-gather and all-reduce are rings.
     # Every step of a ring (a broadcast: every send) adds its dimension's latency (alpha-beta).
     lat = {d: (latency or {}).get(d, 0.0) for d in DIMS}
+    # steps of one federation collective: a ring all-reduce's 2 (F - 1), or (quantised) the
+    # all-to-all's and the all-gather's F - 1 each
+    fed_steps = (F - 1) if quantizer is not None else 2 * (F - 1)
     broadcasts = "replicate" in pred.aggregation_bytes
     ring = {  # ring steps per step (aggregations amortised over the run)
         "shard": (sum(gathers) * (S - 1) + L * 2 * (S - 1)) if S > 1 else 0,
         "replicate": L * 2 * (R - 1),
-        "federation": per_step("fragment_collectives", "federation") * 2 * (F - 1),
-        "broadcast": per_step("fragment_collectives", "federation") * (R - 1) if broadcasts else 0,
+        "federation": per_step("fragment_collectives", "federation") * fed_steps,
+        "broadcast": per_step("fragment_collectives", "replicate") * (R - 1) if broadcasts else 0,
     }
     pred.gloo_bytes = {  # per rank per step
         "shard": (S - 1) * sum(b * (g + 2) for b, g in zip(padded, gathers)),
@@ -311,7 +325,7 @@ def predict(units: Units, shape: MeshShape, bandwidth: dict[str, float], every=N
     }
     pred.gloo = {term: sent / bandwidth[_DIM_OF.get(term, term)] + lat[_DIM_OF.get(term, term)] * ring[term]
                  for term, sent in pred.gloo_bytes.items()}
-    pred.fragment_seconds = [f.get("federation", 0.0) / B_F + lat["federation"] * c["federation"] * 2 * (F - 1)
+    pred.fragment_seconds = [f.get("federation", 0.0) / B_F + lat["federation"] * c["federation"] * fed_steps
                              for f, c in zip(pred.fragment_bytes, pred.fragment_collectives)]
     pred.fragment_broadcast_seconds = [
         ((R - 1) * w / B_R + lat["replicate"] * c["replicate"] * (R - 1)) if broadcasts else 0.0
@@ -348,12 +362,20 @@ def predict_for(cfg, units: Units, aggregates: bool | None = None, shape: MeshSh
     pred = predict(units, shape, bandwidth, every, mode, bucket_mb, cfg.fsdp.reshard_root_after_forward, latency,
                    steps=planned_steps(cfg, shape.world), federated=federated,
                    reduce_element_size=reduce_dtype.itemsize if reduce_dtype else None,
-                   streaming=StreamingConfig.from_algorithm(cfg.algorithm) if aggregates else None)
+                   streaming=StreamingConfig.from_algorithm(cfg.algorithm) if aggregates else None,
+                   quantizer=quantizer_of(cfg) if aggregates else None)
     pred.capped = tuple(d for d in DIMS if on[d].get("link") == "node")
     pred.flows = {d: crossing_flows(shape, d, cfg.topology.procs_per_node, leaders and d == "federation")
                   for d in pred.capped}
     pred.bandwidth = bandwidth
     return pred
+
+
+def quantizer_of(cfg) -> Quantizer | None:
+    """algorithm.outer.quantize's Quantizer (None: not quantised)."""
+    outer = cfg.algorithm.get("outer") or {}
+    return Quantizer(outer["quantize"], outer.get("quantize_block", OuterConfig.quantize_block)) \
+        if outer.get("quantize") else None
 
 
 def link_extra(cfg, units: Units, aggregates: bool | None = None, shape: MeshShape | None = None) -> float:

@@ -78,6 +78,10 @@ def check(cfg) -> None:
         raise ConfigError(f"algorithm.elastic=true with algorithm.streaming.fragments={streaming.fragments}, "
                           f"overlap={streaming.overlap}, alpha={streaming.alpha}: a restarted group heals at a "
                           "whole-model aggregation taken as it is; streaming is not elastic yet")
+    quantize = (cfg.algorithm.get("outer") or {}).get("quantize")
+    if quantize:
+        raise ConfigError(f"algorithm.elastic=true with algorithm.outer.quantize={quantize}: the elastic "
+                          "aggregation is torchft's all-reduce over the groups alive; a quantised one is not built yet")
     if cfg.trainer.checkpoint_every or cfg.trainer.resume:
         raise ConfigError(f"algorithm.elastic=true with trainer.checkpoint_every={cfg.trainer.checkpoint_every}, "
                           f"trainer.resume={cfg.trainer.resume}: a failed group heals from a live peer; "

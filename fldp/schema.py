@@ -32,6 +32,7 @@ from .schedule import schedule_of
 MODES = ("leader_broadcast", "all_replicas")
 OUTER = ("sgd", "adam")
 REDUCE_DTYPES = (None, "bf16", "fp32")
+QUANTIZE = ("int8", "fp8", "int4")
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,11 @@ KEYS: dict[str, Spec] = {
     "algorithm.outer.betas": ListOf("a list of 2 numbers in [0, 1)", item=Num(ge=0, lt=1), length=2),
     "algorithm.outer.eps": Num(gt=0, null=True),   # null: the optimiser's own (OUTER_DEFAULTS)
     "algorithm.outer.reduce_dtype": Choice(*REDUCE_DTYPES),
+    # fldp/quantize.py: optional, so a config written before them composes as it did
+    "algorithm.outer.quantize": Choice(None, *QUANTIZE, optional=True),
+    "algorithm.outer.quantize_block": Spec("an even integer >= 2", lambda v: _is_int(v) and v >= 2 and v % 2 == 0,
+                                           kind="int", bounds=(2, None, None, None), optional=True),
+    "algorithm.outer.error_feedback": Bool(optional=True),
     "algorithm.elastic": Bool(optional=True, when=FEDAVG),
     # algorithm.streaming (fldp/streaming.py): the model aggregated in fragments, at staggered steps
     "algorithm.streaming": Section(optional=True, when=FEDAVG),

@@ -30,6 +30,7 @@ from .data import Blocks, WorldBatches
 from .errors import ConfigError
 from .mesh import mesh_shape
 from .model import DTYPES, build_model, init_weights, llama_config
+from .quantize import Quantizer, quantized_mean, residual_for
 from .records import PHASES, Recorder
 from .streaming import Exchange
 from .trainer import AVERAGE, GROUPS_MEAN, ONE_MODEL, build_optimizer, build_scheduler, run_summary, total_steps
@@ -74,8 +75,8 @@ class Simulation:
         self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, self.steps)
         self.fedavg = FedAvgConfig.from_algorithm(cfg.algorithm)
         self.federated: list[str] = []
-        self.outer = None
-        self.in_flight: dict[int, list[torch.Tensor]] = {}  # fragment -> its average, sent, not yet merged
+        self.outer = self.quantizer = self.residuals = None
+        self.in_flight: dict[int, torch.Tensor] = {}  # fragment -> its flat average (or change), not yet merged
         if self.fedavg is not None:
             keep = self.fedavg.federated(self.groups.names)
             self.federated = [n for n, k in zip(self.groups.names, keep) if k]
@@ -84,6 +85,15 @@ class Simulation:
             if not self.fedavg.outer.averages:  # one bucket per fragment: its anchor is group 0's weights
                 self.outer = Outer(self.fedavg.outer, [torch.cat([self.groups[n][0].reshape(-1) for n in names])
                                                        for names in self.fragment_names()])
+            # algorithm.outer.quantize: the groups' change since the last aggregation crosses, from
+            # the anchor or (FedAvg) from the weights then, the reference; per group, the error feedback
+            self.quantizer = Quantizer.of(self.fedavg.outer)
+            if self.quantizer is not None:
+                self.reference = [torch.cat([self.groups[n][0].reshape(-1) for n in names]).detach().clone()
+                                  for names in self.fragment_names()]
+                if self.fedavg.outer.error_feedback:
+                    self.residuals = [[residual_for(ref.numel(), shape.federation, self.quantizer, device)
+                                       for _ in range(shape.federation)] for ref in self.reference]
         # parameters left out of algorithm.federate stay local: the groups never hold one model
         self.partial = self.fedavg is not None and len(self.federated) < len(self.groups.names)
 
@@ -116,22 +126,56 @@ class Simulation:
         return [[n for n, f in zip(self.federated, self.fragment) if f == p]
                 for p in range(self.fedavg.streaming.fragments)]
 
+    def _base(self, p: int) -> torch.Tensor:
+        """What fragment p's change is taken from (quantised): the anchor, or the reference."""
+        return self.outer.anchors[p] if self.outer is not None else self.reference[p]
+
+    def _sent(self, p: int, feedback: bool = True) -> torch.Tensor:
+        """What fragment p's all-reduce returns, flat: the groups' average, or (quantised) their
+        quantised mean change; only a training aggregation (`feedback`) moves the residuals."""
+        names = self.fragment_names()[p]
+        if self.quantizer is None:
+            return torch.cat([t.reshape(-1) for t in self.average(names)])
+        changes = [torch.cat([self.groups[n][g].reshape(-1) for n in names]).float() - self._base(p)
+                   for g in range(self.shape.federation)]
+        residuals = self.residuals[p] if self.residuals is not None and feedback else None
+        return quantized_mean(changes, self.quantizer, residuals)
+
+    def _split(self, p: int, flat: torch.Tensor) -> list[torch.Tensor]:
+        """A fragment's flat tensor as its parameters (one group's shape each)."""
+        shapes = [self.groups[n].shape[1:] for n in self.fragment_names()[p]]
+        return [t.view(shape) for t, shape in zip(torch.split(flat, [math.prod(x) for x in shapes]), shapes)]
+
     @torch.no_grad()
     def exchange(self, due: Exchange) -> None:
-        """The groups' average of the fragments sent (what their all-reduce would return), then, for
-        those merged, FedAvg or the outer step on it, mixed with each group's weights by alpha."""
+        """What the fragments sent return (their all-reduce), then, for those merged, FedAvg or the
+        outer step on it, mixed with each group's weights by alpha."""
+        dtype = self.groups.stacked[0].dtype
         for p in due.sends:
-            self.in_flight[p] = self.average(self.fragment_names()[p])
+            self.in_flight[p] = self._sent(p)
         for p in due.merges:
-            names, new = self.fragment_names()[p], self.in_flight.pop(p)
-            if self.outer is not None:
-                average = torch.cat([t.reshape(-1) for t in new])
-                anchor = self.outer.step(p, self.outer.anchors[p] - average.float())  # the pseudo-gradient
-                new = list(torch.split(anchor.to(average.dtype), [t.numel() for t in new]))
-            for name, value in zip(names, new):
+            names, sent = self.fragment_names()[p], self.in_flight.pop(p)
+            if self.quantizer is not None:  # sent: the mean change
+                new = self.outer.step(p, -sent).to(dtype) if self.outer is not None else self.reference[p].add_(sent)
+            elif self.outer is not None:
+                new = self.outer.step(p, self.outer.anchors[p] - sent.float()).to(sent.dtype)  # the pseudo-gradient
+            else:
+                new = sent
+            for name, value in zip(names, self._split(p, new)):
                 group = self.groups[name]
                 value = value.view(group.shape[1:]).expand_as(group)
                 group.copy_(torch.lerp(value, group, due.alpha) if due.alpha else value)
+
+    @torch.no_grad()
+    def evaluated_average(self) -> dict[str, torch.Tensor]:
+        """The average the trainer's evaluation scores (FedAvg.averaged), by name: the plain one, or
+        the base plus the quantised mean change (the residuals untouched)."""
+        if self.quantizer is None:
+            return dict(zip(self.federated, self.average()))
+        dtype, out = self.groups.stacked[0].dtype, {}
+        for p, names in enumerate(self.fragment_names()):
+            out.update(zip(names, self._split(p, (self._base(p) + self._sent(p, feedback=False)).to(dtype))))
+        return out
 
     # --- evaluation ------------------------------------------------------------------------------
     def held_out(self, ranks: int) -> torch.Tensor:
@@ -175,7 +219,7 @@ class Simulation:
                 loss = sum(group_losses) / len(group_losses)
                 extra["eval_of"] = GROUPS_MEAN
             else:
-                averaged = dict(zip(self.federated, self.average()))
+                averaged = self.evaluated_average()
                 loss = self.evaluate({n: averaged[n].unsqueeze(0) for n in params}, world).item()
                 extra.update(eval_of=AVERAGE, averaged=True)
         return {"split": "eval", "step": step, "loss": loss, "perplexity": math.exp(loss),

@@ -115,6 +115,11 @@ CASES = [  # (overrides, ...) tiny runs of 3 steps, A=2 unless given: aggregatio
     # at 2, 4, 6), its new weights broadcast to the replicas at the merge; the last step both
     ["algorithm=fl_hsdp", "topology=local_8", "trainer.steps=6", "algorithm.every=4", "algorithm.streaming.fragments=2",
      "algorithm.streaming.overlap=1", "algorithm.fedavg.bucket_mb=0.1"],
+    # quantised (fldp/quantize.py): each bucket's change padded to F chunks of whole blocks, its payload
+    # and scales in an all-to-all and an all-gather; then broadcast to the replicas in fp32 (2x2x2)
+    ["algorithm=fl_hsdp", "topology=local_8", "algorithm.outer.quantize=int8", "algorithm.fedavg.bucket_mb=0.1"],
+    ["algorithm=fl_fsdp", "topology=local_8", "mesh.federation=4", "mesh.shard=2", "algorithm.outer.quantize=int4",
+     "algorithm.outer.error_feedback=true", "algorithm.outer.quantize_block=64"],
 ]
 # algorithm.every -> the steps that aggregate, by hand (4: streaming's sends and merges)
 AGGREGATED = {"[[0,2],[3,3]]": [2, 5, 6], "2": [2, 3], "4": [1, 2, 3, 4, 5, 6]}

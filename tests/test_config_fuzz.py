@@ -106,6 +106,7 @@ CUSTOM = {
     "algorithm.dims": ([["shard"], ["replicate", "shard"], ["federation", "shard"]],
                        [[], ["bogus"], "abc", ["federation", "replicate"]]),   # the last: no shard
     "dataset.data_files": ([None], ["abc", {"train": [1]}]),
+    "algorithm.outer.quantize_block": ([2, 64, 256], [0, 1, 7, -2, "abc", 1.5, True]),  # even: int4 packs pairs
 }
 # keys drawn only invalid here: their valid values move the mesh (drawn jointly below) or the group
 INVALID_ONLY = {"algorithm.name", "topology.nodes", "topology.procs_per_node", "mesh.federation",
@@ -295,6 +296,10 @@ def culprits(cfg: dict, changed: set) -> set:
         outer = a.get("outer") or {}
         if outer.get("nesterov") is True and outer.get("momentum", 0) == 0:
             bad |= {"algorithm.outer.nesterov", "algorithm.outer.momentum", "algorithm.outer"}
+        if outer.get("quantize") and outer.get("reduce_dtype") is not None:  # the quantised exchange sums in fp32
+            bad |= {"algorithm.outer.quantize", "algorithm.outer.reduce_dtype"}
+        if outer.get("error_feedback") is True and not outer.get("quantize"):
+            bad |= {"algorithm.outer.error_feedback", "algorithm.outer.quantize"}
         if a.get("every") is None:  # fedavg needs a period: either key is the culprit
             bad |= {"algorithm.every", "algorithm.aggregation"}
         if a.get("federate") == ["nomatch"]:
@@ -324,7 +329,8 @@ def culprits(cfg: dict, changed: set) -> set:
                                ("comm.emulate", bool(cfg["comm"].get("emulate"))),
                                ("algorithm.streaming.fragments", fragments != 1),
                                ("algorithm.streaming.overlap", bool(overlap)),
-                               ("algorithm.streaming.alpha", bool(alpha))):
+                               ("algorithm.streaming.alpha", bool(alpha)),
+                               ("algorithm.outer.quantize", bool(outer.get("quantize")))):
                 if fails:
                     bad |= {"algorithm.elastic", key}
     slurm = cfg["cluster"].get("launcher") == "slurm"

@@ -1,0 +1,178 @@
+"""Quantised aggregation (algorithm.outer.quantize, fldp/quantize.py) against a reference written here
+from the definition (plain tensors, one process): blocks of `block` elements, scale absmax / qmax,
+round half to even (int) or torch's float8_e4m3fn cast, the groups' mean of the dequantised changes
+summed in fp32 and quantised again; error feedback carries what each group's quantisation lost."""
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+
+from conftest import Snapshot, compose_cfg, read_rows, train_world
+from fldp.data import RankBatches, prepare
+from fldp.errors import ConfigError
+from fldp.model import build_model, init_weights, llama_config
+from fldp.quantize import Quantizer, quantized_mean, residual_for
+from fldp.train import precheck
+from fldp.trainer import build_optimizer
+
+pytestmark = pytest.mark.timeout(300, method="signal")
+
+QMAX = {"int8": 127.0, "int4": 7.0, "fp8": 448.0}
+
+
+def dequantised(x: torch.Tensor, kind: str, block: int) -> torch.Tensor:
+    """x (fp32, whole blocks) as the receiver sees it: each block scaled by its absmax / qmax into
+    the kind's grid, then back."""
+    out = []
+    for b in x.split(block):
+        scale = b.abs().max() / QMAX[kind]
+        scale = scale if scale > 0 else torch.tensor(1.0)
+        grid = (b / scale).to(torch.float8_e4m3fn).float() if kind == "fp8" else torch.round(b / scale)
+        assert grid.abs().max() <= QMAX[kind]
+        out.append(grid * scale)
+    return torch.cat(out)
+
+
+def reference_mean(changes, kind: str, block: int, residuals=None) -> torch.Tensor:
+    """The groups' quantised mean: pad to F chunks of whole blocks, quantise each group's change (+
+    its residual), sum the dequantised in group order, divide by F, quantise the mean."""
+    F, n = len(changes), changes[0].numel()
+    padded = math.ceil(n / (F * block)) * block * F
+    sent = []
+    for g, x in enumerate(changes):
+        x = torch.cat([x, torch.zeros(padded - n)])
+        if residuals is not None:
+            x = x + residuals[g]
+        q = dequantised(x, kind, block)
+        if residuals is not None:
+            residuals[g] = x - q
+        sent.append(q)
+    return dequantised(sum(sent) / F, kind, block)[:n]
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
+def test_the_quantised_mean_follows_its_definition_with_and_without_error_feedback(kind):
+    torch.manual_seed(0)
+    F, n, block = 3, 1000, 16  # 1000 is no multiple of F * block: the last chunk is padded
+    q = Quantizer(kind, block)
+    changes = [torch.randn(n) * 0.01 * (g + 1) for g in range(F)]
+    changes[1][:block] = 0  # a block of zeros: scale 1, sends zeros
+    assert torch.equal(quantized_mean(changes, q), reference_mean(changes, kind, block))
+    mine = [residual_for(n, F, q, "cpu") for _ in range(F)]
+    theirs = [torch.zeros_like(r) for r in mine]
+    for _ in range(3):  # the residuals carry over
+        assert torch.equal(quantized_mean(changes, q, mine), reference_mean(changes, kind, block, theirs))
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
+    assert any(r.abs().max() > 0 for r in mine)
+    # on the wire: the payload in `bits` per element (int4: two per byte) and an fp32 scale per block
+    assert q.encode(torch.randn(4 * block)).numel() == 4 * block * q.bits // 8 + 4 * 4
+    exact = sum(changes) / F
+    assert (quantized_mean(changes, q) - exact).abs().max() < {"int8": 1e-3, "fp8": 4e-3, "int4": 1e-2}[kind]
+
+
+# --- the trainer against the reference: 2 groups of one rank each (local_2, 2x1x1), one bucket
+STEPS, EVERY = 7, 3
+CASES = {
+    "int8-feedback": ["algorithm.outer.quantize=int8", "algorithm.outer.error_feedback=true"],
+    "int4-diloco": ["algorithm.outer.quantize=int4", "algorithm.outer.quantize_block=64", "algorithm.outer.lr=0.7",
+                    "algorithm.outer.momentum=0.9", "algorithm.outer.nesterov=true"],
+    "fp8": ["algorithm.outer.quantize=fp8"],
+}
+FL2 = ["algorithm=fl_fsdp", "topology=local_2", "mesh.federation=2", "mesh.shard=1", f"trainer.steps={STEPS}",
+       f"algorithm.every={EVERY}"]
+
+
+def reference_run(cfg) -> tuple[list[float], dict]:
+    """Two groups trained side by side in one process; at each aggregation the change of each since
+    the last (flat, parameter order) is quantised and averaged as reference_mean says; FedAvg adds
+    the mean to the weights of the last aggregation, DiLoCo's Nesterov SGD steps its anchor with
+    minus the mean. Per-step mean loss, and the final weights."""
+    blocks, o = prepare(cfg.dataset), cfg.algorithm.outer
+    models, optimizers, schedulers = [], [], []
+    from transformers import get_cosine_schedule_with_warmup
+
+    for _ in range(2):
+        model = build_model(llama_config(cfg.model, blocks.vocab_size))
+        init_weights(model, torch.device("cpu"), cfg.seed)
+        opt = build_optimizer(model, cfg.optimizer)
+        models.append(model)
+        optimizers.append(opt)
+        schedulers.append(get_cosine_schedule_with_warmup(opt, int(cfg.optimizer.warmup * STEPS), STEPS))
+    flat = lambda m: torch.cat([p.detach().reshape(-1) for p in m.parameters()]).float()  # noqa: E731
+    base, momentum = flat(models[0]), None
+    residuals = [torch.zeros(2 * math.ceil(base.numel() / (2 * o.quantize_block)) * o.quantize_block)
+                 for _ in range(2)] if o.error_feedback else None
+    ranks = [RankBatches(blocks.train, cfg.trainer.batch_size, r, 2, cfg.seed).stream() for r in range(2)]
+    losses = []
+    for step in range(1, STEPS + 1):
+        step_losses = []
+        for model, opt, sched, batches in zip(models, optimizers, schedulers, ranks):
+            x = next(batches)
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            step_losses.append(loss.item())
+        losses.append(sum(step_losses) / 2)
+        if step % EVERY and step != STEPS:
+            continue
+        mean = reference_mean([flat(m) - base for m in models], o.quantize, o.quantize_block, residuals)
+        if o.momentum:  # Nesterov SGD on the pseudo-gradient d = -mean: m = mu m + d; anchor -= lr (d + mu m)
+            d = -mean  # in torch's order of operations: a rounding off by one ulp may move an int4 level
+            momentum = d.clone() if momentum is None else momentum.mul(o.momentum).add(d)
+            base = base.add(d.add(momentum, alpha=o.momentum), alpha=-o.lr)
+        else:
+            base = base + mean
+        with torch.no_grad():
+            for model in models:
+                torch.nn.utils.vector_to_parameters(base.clone(), model.parameters())
+    return losses, {n: p.detach() for n, p in models[0].named_parameters()}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_trainers_quantised_aggregation_matches_the_reference(tmp_path, case):
+    cfg = compose_cfg(*FL2, *CASES[case])
+    snap = Snapshot(tmp_path, [STEPS], cfg)
+    rows = train_world(cfg, tmp_path / "run", snap)
+    losses, weights = reference_run(cfg)
+    assert [r["loss"] for r in rows] == pytest.approx(losses, rel=1e-6, abs=0)
+    final = snap.load(0, 0, STEPS)
+    assert final.keys() == weights.keys()
+    for name in final:
+        torch.testing.assert_close(final[name], weights[name], rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert torch.equal(torch.cat([t.reshape(-1) for t in snap.load(1, 0, STEPS).values()]),
+                       torch.cat([t.reshape(-1) for t in final.values()]))  # both groups hold one model
+
+
+def test_the_simulator_quantises_as_the_trainer_does(tmp_path):
+    """cluster=simulate (quantized_mean in one process) against the trainer (its collectives), with
+    error feedback and 2 fragments, each its own bucket: within fp32's order of additions."""
+    common = [*FL2, "trainer.steps=9", "algorithm.every=4", "algorithm.streaming.fragments=2",
+              "algorithm.outer.quantize=int8", "algorithm.outer.error_feedback=true", "trainer.eval_every=2",
+              "trainer.eval_batches=2"]
+    trained = train_world(compose_cfg(*common), tmp_path / "trainer")
+    from fldp import simulate
+
+    cfg = compose_cfg(*common, "cluster=simulate")
+    simulate.run(cfg, str(tmp_path / "sim"), prepare(cfg.dataset))
+    simulated = read_rows(tmp_path / "sim")
+    assert [r.get("fragments") for r in simulated] == [r.get("fragments") for r in trained]
+    assert [r["loss"] for r in simulated] == pytest.approx([r["loss"] for r in trained], rel=1e-5)
+    evals = [read_rows(tmp_path / d, "eval") for d in ("trainer", "sim")]  # 2, 4, 6: the groups differ
+    assert [r["loss"] for r in evals[1]] == pytest.approx([r["loss"] for r in evals[0]], rel=1e-5)
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["algorithm.outer.quantize=int2"], "algorithm.outer.quantize"),
+    (["algorithm.outer.quantize=int8", "algorithm.outer.quantize_block=7"], "must be an even integer"),
+    (["algorithm.outer.quantize=int8", "algorithm.outer.reduce_dtype=bf16"], "set reduce_dtype to null"),
+    (["algorithm.outer.error_feedback=true"], "needs algorithm.outer.quantize"),
+    (["algorithm.outer.quantize=int8", "algorithm.elastic=true"], "a quantised one is not built yet"),
+])
+def test_quantisation_refuses_what_it_cannot_do_before_any_worker_starts(overrides, named):
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        precheck(["algorithm=fl_fsdp", "topology=local_4", *overrides], multirun=False)
