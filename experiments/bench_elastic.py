@@ -33,7 +33,6 @@ and static/killed_run_metrics.jsonl (the killed static run's rows, which the res
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import os
@@ -51,6 +50,7 @@ from scipy import stats
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's analysis/
 from analysis.elastic_timeline import KILLED_ROWS, MOMENTS, save_chart  # noqa: E402
+from bench_netns import write_results  # noqa: E402  (this script's folder is on sys.path)
 
 COMMON = ["algorithm=fl_fsdp", "topology=local_8", "mesh.federation=4", "mesh.shard=2", "algorithm.every=8",
           "trainer.steps=32", "wandb.mode=disabled", "trainer.progress=false", "trainer.eval_batches=null"]
@@ -169,10 +169,7 @@ def main() -> None:
               f"{row['elastic_discarded_s']:.2f} s, idle {row['elastic_idle_s']:.2f} s, survivors' wait "
               f"{row['elastic_survivor_wait']:.1f} rank-s; healed at step {row['heal_step']}) = "
               f"{row['ratio_lost']:.1f}x; eval ppl {ppl[1]:.2f} with the failure, {ppl[0]:.2f} without", flush=True)
-    with (out / "results.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(results[0]))
-        writer.writeheader()
-        writer.writerows(results)
+    write_results(out, results)
     for name, values in (("work lost, static / elastic", [r["ratio_lost"] for r in results]),
                          ("eval perplexity, one failure / none", [r["elastic_ppl"] / r["clean_ppl"] for r in results])):
         logs = [math.log(v) for v in values]

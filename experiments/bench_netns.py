@@ -46,6 +46,17 @@ from fldp.model import DTYPES, build_model, llama_config  # noqa: E402
 NAMES = {"fsdp": "FSDP", "hsdp": "HSDP", "fl_fsdp": "FL+FSDP", "fl_hsdp": "FL+HSDP"}
 
 
+def write_results(out: Path, rows: list[dict]) -> None:
+    """out/results.csv, one row per run: the per-run numbers a benchmark's table comes from."""
+    import csv
+
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "results.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def compose_cfg(*overrides):
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         return compose("config", overrides=list(overrides))

@@ -31,7 +31,6 @@ Needs root and iproute2. Writes DIR/results.csv (one row per run) and prints the
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import statistics
 import sys
@@ -45,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from analysis.stats import TIE_HIGH, TIE_LOW, paired_ratio  # noqa: E402
-from bench_netns import compose_cfg  # noqa: E402  (this script's folder is on sys.path)
+from bench_netns import compose_cfg, write_results  # noqa: E402  (this script's folder is on sys.path)
 from fldp import netns  # noqa: E402
 from fldp.cost import model_units, predict_for  # noqa: E402
 from fldp.data import load_tokenizer, prepare  # noqa: E402
@@ -130,11 +129,7 @@ def main() -> None:
                     print(f"seed {seed} {algorithm} {variant}: {measured}", flush=True)
     frame = pd.DataFrame(results)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        with open(args.out / "results.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(results[0]))
-            writer.writeheader()
-            writer.writerows(results)
+        write_results(args.out, results)
 
     link = cfg0.topology.network[-1]
     print(f"\nnetns_4x2: 4 nodes x 2 ranks, link {link.gbit_s * 1e3:g} Mbit/s per node, model={cfg0.model.name}, "
