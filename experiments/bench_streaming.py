@@ -8,8 +8,9 @@ capped), five variants of the same run, interleaved so load on the machine hits 
   overlap3  P = 1, tau = 3 (during three: as long as the all-reduce takes here, by the model)
   fragments P = 2, tau = 0 (half the model per aggregation, twice as often)
   streaming P = 2, tau = 1
-and, asked for with --variants, what crosses: bf16 (the change in bf16: algorithm.outer.reduce_dtype),
-int8, fp8, int4 and int4_ef (algorithm.outer.quantize, blocks of 256; _ef: error feedback).
+and, asked for with --variants: fragments4 (P = 4; needs model.num_hidden_layers >= 3), and what
+crosses: bf16 (the change in bf16: algorithm.outer.reduce_dtype), int8, fp8, int4 and int4_ef
+(algorithm.outer.quantize, blocks of 256; _ef: error feedback).
 A = 8, 17 steps; measured over steps 2-16 (two whole periods: step 1 starts up, 17 is the last
 step's forced aggregation):
 - aggregation seconds on the critical path per period: the sum of `critical_aggregation` (the
@@ -58,6 +59,7 @@ STREAM = "algorithm.streaming"
 VARIANTS = {  # name -> its overrides; the first five are the default (the committed tables)
     "plain": [], "overlap": [f"{STREAM}.overlap=1"], "overlap3": [f"{STREAM}.overlap=3"],
     "fragments": [f"{STREAM}.fragments=2"], "streaming": [f"{STREAM}.fragments=2", f"{STREAM}.overlap=1"],
+    "fragments4": [f"{STREAM}.fragments=4"],  # needs 4 FSDP units: model.num_hidden_layers >= 3
     # what crosses: the change in bf16 (reduce_dtype), or quantised (fldp/quantize.py, blocks of 256)
     "bf16": ["algorithm.outer.reduce_dtype=bf16"], "int8": ["algorithm.outer.quantize=int8"],
     "fp8": ["algorithm.outer.quantize=fp8"], "int4": ["algorithm.outer.quantize=int4"],

@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from conftest import Snapshot, compose_cfg, read_rows, train_world
+from conftest import Snapshot, compose_cfg, identical, read_rows, train_world
 from fldp.data import RankBatches, prepare
 from fldp.errors import ConfigError
 from fldp.model import build_model, init_weights, llama_config
@@ -176,3 +176,22 @@ def test_the_simulator_quantises_as_the_trainer_does(tmp_path):
 def test_quantisation_refuses_what_it_cannot_do_before_any_worker_starts(overrides, named):
     with pytest.raises(ConfigError, match=re.escape(named)):
         precheck(["algorithm=fl_fsdp", "topology=local_4", *overrides], multirun=False)
+
+
+def test_fl_hsdps_leader_broadcast_hands_the_replicas_what_every_replica_would_compute(tmp_path):
+    """2x2x2, int4 with error feedback and FedAdam: leader_broadcast (replica 0 quantises, exchanges
+    and steps, then broadcasts the new weights) equals all_replicas (every replica does it itself,
+    each with its own residual and outer state) bit for bit: the replicas hold the same shards."""
+    common = ["algorithm=fl_hsdp", "topology=local_8", "trainer.steps=6", "algorithm.every=2",
+              "algorithm.outer.quantize=int4", "algorithm.outer.error_feedback=true", "algorithm.outer.name=adam",
+              "algorithm.outer.lr=0.01"]
+    runs = {}
+    for mode in ("leader_broadcast", "all_replicas"):
+        cfg = compose_cfg(*common, f"algorithm.fedavg.mode={mode}")
+        snap = Snapshot(tmp_path / mode, [6], cfg)
+        runs[mode] = ([r["loss"] for r in train_world(cfg, tmp_path / mode / "run", snap)],
+                      [snap.load(f, r, 6) for f in range(2) for r in range(2)])
+    (losses, weights), (losses_all, weights_all) = runs.values()
+    assert losses == losses_all
+    assert all(identical(a, b) for a, b in zip(weights, weights_all))
+    assert all(identical(weights[0], w) for w in weights[1:])  # one model in every group and replica
