@@ -140,19 +140,19 @@ def main() -> None:
     print("\nper period A (medians over seeds): aggregation on the critical path, measured and the model's "
           "(collectives only); step time; peak federation bytes per aggregation step, measured and the model's; "
           "final eval perplexity")
-    print(f"{'':9s} {'variant':9s} {'agg s':>7s} {'model':>7s} {'step s':>7s} {'compute':>8s} "
+    print(f"{'':9s} {'variant':10s} {'agg s':>7s} {'model':>7s} {'step s':>7s} {'compute':>8s} "
           f"{'peak MB':>8s} {'model':>7s} {'ppl':>7s}")
     for algorithm in algorithms:
         name = ALGORITHMS[algorithm]
         for variant in variants:
             v = frame[(frame.algorithm == algorithm) & (frame.variant == variant)]
-            print(f"{name:9s} {variant:9s} {v.aggregation_s.median():7.3f} {v.predicted_aggregation_s.median():7.3f} "
+            print(f"{name:9s} {variant:10s} {v.aggregation_s.median():7.3f} {v.predicted_aggregation_s.median():7.3f} "
                   f"{v.step_s.median():7.3f} {v.compute_s.median():8.3f} {v.peak_bytes.median() / 1e6:8.3f} "
                   f"{v.predicted_peak_bytes.median() / 1e6:7.3f} {v.perplexity.median():7.2f}")
     print(f"\nratios to plain, paired by seed: geometric mean [95% t interval]; ppl tie band "
           f"{TIE_LOW:.3f}-{TIE_HIGH:.3f}")
     bf16 = "bf16" in variants  # the quantised bytes against the change sent in bf16 too
-    print(f"{'':9s} {'variant':9s} {'aggregation':>24s} {'step':>24s} {'peak bytes':>11s} "
+    print(f"{'':9s} {'variant':10s} {'aggregation':>24s} {'step':>24s} {'peak bytes':>11s} "
           f"{'/ bf16' if bf16 else '':>7s} {'eval ppl':>24s} verdict")
     for algorithm in algorithms:
         name = ALGORITHMS[algorithm]
@@ -163,7 +163,7 @@ def main() -> None:
             peak = (v.peak_bytes / base.peak_bytes).median()
             halves = frame[(frame.algorithm == algorithm) & (frame.variant == "bf16")].set_index("seed")
             to_bf16 = f"{(v.peak_bytes / halves.peak_bytes).median():7.4f}" if bf16 else ""
-            print(f"{name:9s} {variant:9s} {agg.text():>24s} {step.text():>24s} {peak:11.4f} {to_bf16:>7s} "
+            print(f"{name:9s} {variant:10s} {agg.text():>24s} {step.text():>24s} {peak:11.4f} {to_bf16:>7s} "
                   f"{ppl.text():>24s} {ppl.verdict}")
 
 
