@@ -89,11 +89,13 @@ class Simulation:
             # the anchor or (FedAvg) from the weights then, the reference; per group, the error feedback
             self.quantizer = Quantizer.of(self.fedavg.outer)
             if self.quantizer is not None:
-                self.reference = [torch.cat([self.groups[n][0].reshape(-1) for n in names]).detach().clone()
-                                  for names in self.fragment_names()]
+                starts = [torch.cat([self.groups[n][0].reshape(-1) for n in names]).detach()
+                          for names in self.fragment_names()]
+                if self.outer is None:  # with an outer optimiser the base is its anchor
+                    self.reference = [start.clone() for start in starts]
                 if self.fedavg.outer.error_feedback:
-                    self.residuals = [[residual_for(ref.numel(), shape.federation, self.quantizer, device)
-                                       for _ in range(shape.federation)] for ref in self.reference]
+                    self.residuals = [[residual_for(start.numel(), shape.federation, self.quantizer, device)
+                                       for _ in range(shape.federation)] for start in starts]
         # parameters left out of algorithm.federate stay local: the groups never hold one model
         self.partial = self.fedavg is not None and len(self.federated) < len(self.groups.names)
 
