@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from . import stopping
 from .errors import ConfigError, Interrupted, WorkerError, WriteError  # noqa: F401  (fldp.launch.WorkerError)
 
 # Ports for the rendezvous, below Linux's ephemeral range (32768+) so no outgoing socket holds one.
@@ -121,8 +122,9 @@ def _local_worker(index, fn, args, world, addr, port, device_type, timeout_s, th
     FORKED = True
     # The launcher stops a worker with SIGTERM. Exiting from a Python handler, which runs between
     # the main thread's bytecodes, never cuts a write short (a metrics row; the default action
-    # could, at a page boundary); a worker stuck in native code gets SIGKILL after _stop's patience.
-    signal.signal(signal.SIGTERM, _exit_on_signal)
+    # could, at a page boundary), and it closes the W&B run first (fldp.stopping); a worker stuck
+    # in native code gets SIGKILL after _stop's patience.
+    signal.signal(signal.SIGTERM, stopping.on_signal)
     # A terminal's Ctrl-C reaches the whole process group: the launcher alone acts on it and stops
     # the workers, instead of each rank raising KeyboardInterrupt wherever it happens to be.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -292,8 +294,9 @@ def _dump_stacks(procs, wait_s: float = 0.25) -> None:
             time.sleep(wait_s)
 
 
-def _stop(procs, patience_s: float = 5.0) -> None:
-    """SIGTERM the workers still running, SIGKILL those that ignore it; reap all."""
+def _stop(procs, patience_s: float = 10.0) -> None:
+    """SIGTERM the workers still running, SIGKILL those that ignore it; reap all. The patience
+    covers rank 0 closing its W&B run (fldp.stopping: ~2 s here) on a loaded machine."""
     for p in procs:
         if p.is_alive():
             p.terminate()

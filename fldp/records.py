@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import os
 import secrets
@@ -17,9 +16,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from . import stopping
 from .errors import ConfigError, WriteError
 from .provenance import run_fields
-from .sweep import HASH_CHARS
 
 # The metric field names, defined once: the trainer writes them, analysis/ reads them.
 PHASES = ("forward", "backward", "optimizer", "aggregation")
@@ -48,7 +47,11 @@ class Recorder:
         train = [r for r in kept if r.get("split") != "eval"]
         self.train_time = sum(r["time_step"] for r in train)
         self.last_row = train[-1] if train else {}
+        # rows are a deterministic sequence (resume is exact): W&B gets each position once, the rows
+        # this segment logs again after its checkpoint only where an earlier segment's W&B run lacks them
+        self.position, self.delivered = len(kept), delivered_rows(self.run_dir)
         self.wandb = _start_wandb(cfg, self.run_dir)
+        self._unregister = stopping.at_stop(self._close_wandb) if self.wandb is not None else None
         self.bar = None
         if progress:
             from tqdm import tqdm
@@ -78,10 +81,12 @@ class Recorder:
 
     def log(self, row: dict) -> None:
         self._append((json.dumps(row) + "\n").encode())
-        if self.wandb is not None:
+        if self.wandb is not None and self.position >= self.delivered:
             prefix = "eval" if row.get("split") == "eval" else "train"
-            self.wandb.log({f"{prefix}/{k}": v for k, v in row.items() if k not in ("step", "split")},
-                           step=row["step"])
+            fields = {f"{prefix}/{k}": v for k, v in row.items() if k not in ("step", "split")}
+            with stopping.uninterrupted():  # a stop closes the run after this row, not inside W&B's call
+                self.wandb.log({"step": row["step"], **fields}, step=row["step"])
+        self.position += 1
         if self.bar is not None and "split" not in row:  # a step's row (not an evaluation or a heal)
             self.bar.update(1)
             self.bar.set_postfix_str(
@@ -120,8 +125,16 @@ class Recorder:
                 tmp.unlink(missing_ok=True)
         os.close(self.metrics)
         if self.wandb is not None:
-            self.wandb.summary.update(summary)
-            self.wandb.finish()
+            with stopping.uninterrupted():
+                self.wandb.summary.update(summary)
+                self._close_wandb(0)
+
+    def _close_wandb(self, signum: int) -> None:
+        """Finish the W&B run (its rows flushed to the offline log or sent), then note how many rows it
+        holds; on a stop (signum > 0) the run ends with the worker's exit code, resumable."""
+        self._unregister()
+        self.wandb.finish(exit_code=128 + signum if signum else 0)
+        _write_atomically(self.run_dir / DELIVERED_FILE, f"{max(self.position, self.delivered)}\n")
 
 
 @contextlib.contextmanager
@@ -141,10 +154,24 @@ def wandb_id(run_dir: Path) -> str:
         return path.read_text().strip()
     # W&B's own format (8 of [a-z0-9]); made here, as wandb's helper for it is not public API
     run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(run_id + "\n")
-    os.replace(tmp, path)
+    _write_atomically(path, run_id + "\n")
     return run_id
+
+
+DELIVERED_FILE = "wandb_rows"  # how many of the run's rows its W&B run holds, as of its last finish
+
+
+def delivered_rows(run_dir: Path) -> int:
+    """The rows an earlier segment of this run directory delivered to W&B (0: none, or a segment
+    killed outright, whose W&B run never finished: its rows are sent again)."""
+    path = run_dir / DELIVERED_FILE
+    return int(path.read_text()) if path.is_file() and path.read_text().strip() else 0
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def wandb_labels(cfg) -> dict:
@@ -157,9 +184,6 @@ def wandb_labels(cfg) -> dict:
     return {"group": cfg.wandb.group, "job_type": cfg.algorithm.name, "tags": tags}
 
 
-WANDB_NAME_MAX = 128   # W&B refuses longer project and artifact names, and reportedly run names
-
-
 def wandb_identity(run, run_dir: Path) -> dict:
     """The W&B run these records went to, as W&B holds it (its public Run attributes): the id, path,
     labels and the folder of an offline run (for `wandb sync`), relative to the run directory."""
@@ -168,14 +192,22 @@ def wandb_identity(run, run_dir: Path) -> dict:
             "folder": os.path.relpath(Path(run.dir).parent, run_dir)}
 
 
-def wandb_name(cfg, run_dir: Path) -> str:
-    """ALGORITHM-TOPOLOGY-RUN_DIR, where a sweep point's directory names its overrides (up to 255
-    bytes); past WANDB_NAME_MAX characters, its head and a hash of the whole, so names stay distinct."""
-    name = f"{cfg.algorithm.name}-{cfg.topology.name}-{run_dir.name}"
-    if len(name) <= WANDB_NAME_MAX:
-        return name
-    digest = hashlib.sha256(name.encode()).hexdigest()[:HASH_CHARS]
-    return f"{name[:WANDB_NAME_MAX - 1 - HASH_CHARS]}#{digest}"
+def wandb_name(cfg) -> str:
+    """A short name to read in W&B's run list: ALGORITHM TOPOLOGY [F=.. A=..] seed=N. The id tells
+    runs apart; the sweep point's overrides are in the run's config (`overrides`)."""
+    tags = dict(tag.split("=", 1) for tag in wandb_labels(cfg)["tags"])
+    fl = [f"{k}={tags[k]}" for k in ("F", "A") if k in tags]
+    return " ".join([cfg.algorithm.name, tags["topology"], *fl, f"seed={cfg.seed}"])
+
+
+def run_overrides(run_dir: Path) -> list[str] | None:
+    """The command-line overrides Hydra composed this run from (.hydra/overrides.yaml of its run
+    directory; a federation group's records sit one directory down)."""
+    for folder in (run_dir, run_dir.parent):
+        path = folder / ".hydra" / "overrides.yaml"
+        if path.is_file():
+            return list(OmegaConf.load(path))
+    return None
 
 
 def check_wandb_login(cfg) -> None:
@@ -217,16 +249,26 @@ def _start_wandb(cfg, run_dir: Path):
     try:
         import wandb
 
-        # the rows a resumed run logs again (after its checkpoint, up to where it died) carry steps W&B
-        # already has; it drops them, and they hold the same values (resume is exact) but wall times
-        return wandb.init(
+        run = wandb.init(
             project=cfg.wandb.project, entity=cfg.wandb.entity, mode=mode, id=wandb_id(run_dir),
-            resume="allow", **wandb_labels(cfg),
-            name=wandb_name(cfg, run_dir), dir=str(run_dir),
-            config={**public_config(cfg), **run_fields()},
+            resume="allow", **wandb_labels(cfg), name=wandb_name(cfg), dir=str(run_dir),
+            config={**public_config(cfg), **run_fields(), "overrides": run_overrides(run_dir)},
             # never block a training run on a missing network
             settings=wandb.Settings(init_timeout=60, silent=True, console="off"),
         )
+        _define_metrics(run)
+        return run
     except Exception as e:
         warnings.warn(f"W&B ({mode}) could not start, records go to {run_dir} only: {e}")
         return None
+
+
+def _define_metrics(run) -> None:
+    """Charts against the training step (`step`, the rows' own), and summaries that say something:
+    the best and last perplexity, each phase's mean time."""
+    run.define_metric("step")
+    for split in ("train", "eval"):
+        run.define_metric(f"{split}/*", step_metric="step")
+        run.define_metric(f"{split}/perplexity", step_metric="step", summary="min,last")
+    for field in (*TIME_FIELDS, "time_step"):
+        run.define_metric(f"train/{field}", step_metric="step", summary="mean,last")

@@ -4,9 +4,15 @@ records (`wandb`); nothing reads W&B's binary log."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 from conftest import cli
+from wandb_log import exit_codes, history_steps, records
 
 TINY = ["topology=local_2", "trainer.steps=2", "trainer.eval_batches=1", "trainer.progress=false",
         "wandb.mode=offline"]
@@ -47,8 +53,6 @@ def test_multirun_points_get_group_job_type_and_tags(tmp_path):
         (folder,) = offline_runs(point)
         assert point / identity["folder"] == folder and folder.name.endswith("-" + identity["id"])
         points[identity["job_type"]] = (identity["group"], identity["tags"])
-        # the run's name ends in its point's directory, which names the point's overrides
-        assert identity["name"] == f"{identity['job_type']}-local_2-{point.name}"
         assert f"algorithm={identity['job_type']}," in point.name
     assert points == {
         "fsdp": ("2026-01-02_03-04-05", ["topology=local_2"]),
@@ -60,3 +64,54 @@ def test_multirun_points_get_group_job_type_and_tags(tmp_path):
               cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert wandb_of(named / "algorithm=fsdp,topology=local_2,trainer.eval_batches=1,trainer.steps=1")["group"] == "mine"
+
+
+def test_ctrl_c_keeps_the_wandb_history_and_the_resumed_run_adds_each_step_once(tmp_path):
+    """A terminal's Ctrl-C (SIGINT to the process group) after step 15, checkpoints every 4: the
+    offline W&B log holds the steps that ran (before the fix: its 7-byte header only), the run ends
+    with the workers' exit code; the resumed run (from step 12) sends only what W&B lacks."""
+    run_dir, steps = tmp_path / "run", 24
+    run = [*TINY, "algorithm=fsdp", f"trainer.steps={steps}", "trainer.checkpoint_every=4", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen([sys.executable, "-m", "fldp.train", *run], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 15):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "no step 15"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, stderr[-3000:]
+    ran = len(metrics.read_text().splitlines())  # no eval before the last step: one row a step
+    (first,) = logs(run_dir)
+    assert history_steps(first) == list(range(1, ran + 1))
+    assert exit_codes(first) == [128 + signal.SIGTERM]  # how the worker was stopped
+    again = cli(*run, "trainer.resume=auto", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    first_again, second = logs(run_dir)
+    assert first_again == first
+    assert history_steps(first) + history_steps(second) == list(range(1, steps + 1))
+    assert exit_codes(second) == [0]
+
+
+def test_wandb_names_are_short_and_the_overrides_are_in_the_config(tmp_path):
+    """W&B's run list shows ALGORITHM TOPOLOGY F A seed; the point's overrides are in its config;
+    the charts are against the training step."""
+    sweep = tmp_path / "sweep"
+    out = cli("-m", *TINY, "trainer.steps=1", "algorithm=fl_fsdp", "seed=3", "algorithm.every=1",
+              f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (point,) = [p for p in sweep.iterdir() if p.is_dir()]
+    assert wandb_of(point)["name"] == "fl_fsdp local_2 F=2 A=1 seed=3"
+    (log,) = logs(point)
+    config = next(r.run.config for r in records(log) if r.WhichOneof("record_type") == "run")
+    values = {item.key: json.loads(item.value_json) for item in config.update}
+    assert {"seed=3", "algorithm.every=1", "trainer.steps=1"} <= set(values["overrides"])
+    defined = {r.metric.glob_name or r.metric.name: r.metric.step_metric
+               for r in records(log) if r.WhichOneof("record_type") == "metric"}
+    assert defined["train/*"] == defined["eval/*"] == "step"
+
+
+def logs(run_dir):
+    return [next(folder.glob("run-*.wandb")) for folder in offline_runs(run_dir)]
