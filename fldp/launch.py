@@ -146,6 +146,7 @@ def _local_worker(index, fn, args, world, addr, port, device_type, timeout_s, th
         # A WriteError's message (the path, the reason) is the whole report.
         plain = isinstance(e, WriteError)
         errors.put((time.time(), index, str(e) if plain else traceback.format_exc(), plain))
+        stopping.run_hooks(1)  # its W&B run: the exit below skips atexit
         sys.exit(1)
     dist.destroy_process_group()
 

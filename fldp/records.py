@@ -129,11 +129,11 @@ class Recorder:
                 self.wandb.summary.update(summary)
                 self._close_wandb(0)
 
-    def _close_wandb(self, signum: int) -> None:
+    def _close_wandb(self, exit_code: int) -> None:
         """Finish the W&B run (its rows flushed to the offline log or sent), then note how many rows it
-        holds; on a stop (signum > 0) the run ends with the worker's exit code, resumable."""
+        holds; a run stopped or failed ends with the worker's exit code, resumable."""
         self._unregister()
-        self.wandb.finish(exit_code=128 + signum if signum else 0)
+        self.wandb.finish(exit_code=exit_code)
         _write_atomically(self.run_dir / DELIVERED_FILE, f"{max(self.position, self.delivered)}\n")
 
 

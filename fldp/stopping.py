@@ -1,14 +1,17 @@
-"""How a worker stops when its launcher tells it to (SIGTERM: a Ctrl-C, SLURM, `kill`).
+"""What a worker closes before it ends without finishing its run: told to stop (SIGTERM from its
+launcher: a Ctrl-C, `kill`), failing (an error), or exiting early (SLURM's requeue).
 
-The worker exits from a Python handler, between the main thread's bytecodes, so no write of its
-own is cut short. Before it exits it runs what was registered with `at_stop` (the Recorder closes
-its W&B run there: W&B's offline log holds nothing of a process that exits without finishing it).
-A signal that arrives inside an `uninterrupted()` block (a row half sent to W&B) is honoured as the
-block ends: finishing W&B from inside a W&B call would deadlock on W&B's own lock.
+The Recorder registers its W&B run here (`at_stop`): W&B's offline log holds nothing of a process
+that exits without finishing its run, and a forked worker exits through os._exit, which skips
+W&B's own atexit teardown. A worker told to stop exits from a Python handler, between the main
+thread's bytecodes, so no write of its own is cut short; a signal that arrives inside an
+`uninterrupted()` block (a row half sent to W&B) is honoured as the block ends, since finishing W&B
+from inside a W&B call would deadlock on W&B's own lock.
 
 Imports nothing of fldp and not torch: records.py uses it, and the launcher installs it."""
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -16,15 +19,34 @@ import sys
 from typing import Callable
 
 _hooks: list[Callable[[int], None]] = []
-_depth = 0               # open uninterrupted() blocks
+_depth = 0                   # open uninterrupted() blocks
 _pending: int | None = None  # a signal that arrived inside one
-_stopping = False        # the hooks are running: a second signal changes nothing
+_exit_registered = False
 
 
 def at_stop(hook: Callable[[int], None]) -> Callable[[], None]:
-    """Run hook(signum) when this process is told to stop; returns the function that unregisters it."""
+    """Run hook(exit_code) if this process ends before unregistering it (the function returned).
+    Registered after W&B starts, its atexit turn comes before W&B's teardown (atexit runs last
+    registered first)."""
+    global _exit_registered
     _hooks.append(hook)
+    if not _exit_registered:
+        atexit.register(run_hooks, 1)  # a plain process (srun's task) ending early; forked workers skip atexit
+        _exit_registered = True
     return lambda: _hooks.remove(hook) if hook in _hooks else None
+
+
+def run_hooks(exit_code: int) -> None:
+    """Each hook still registered, once, last registered first; one that fails is reported, and
+    never keeps the process alive. A stop signal meanwhile (the launcher stopping the other ranks
+    of a failed one) waits for them."""
+    with uninterrupted():
+        while _hooks:
+            hook = _hooks.pop()
+            try:
+                hook(exit_code)
+            except Exception as e:  # noqa: BLE001
+                print(f"fldp: while closing (exit code {exit_code}): {e}", file=sys.stderr)
 
 
 @contextlib.contextmanager
@@ -50,13 +72,8 @@ def on_signal(signum, frame) -> None:
 
 
 def _stop(signum: int) -> None:
-    global _stopping
-    if _stopping:
-        return
-    _stopping = True
-    for hook in reversed(list(_hooks)):  # a hook that fails must not keep the worker alive
-        try:
-            hook(signum)
-        except Exception as e:  # noqa: BLE001
-            print(f"fldp: while stopping on {signal.Signals(signum).name}: {e}", file=sys.stderr)
+    global _pending
+    _pending = None
+    signal.signal(signum, signal.SIG_IGN)  # a second one while W&B finishes changes nothing
+    run_hooks(128 + signum)
     os._exit(128 + signum)

@@ -115,3 +115,15 @@ def test_wandb_names_are_short_and_the_overrides_are_in_the_config(tmp_path):
 
 def logs(run_dir):
     return [next(folder.glob("run-*.wandb")) for folder in offline_runs(run_dir)]
+
+
+def test_a_failed_run_keeps_its_wandb_history(tmp_path):
+    """A worker that fails (here a non-finite loss) exits through os._exit, which skips W&B's own
+    teardown: it closes its W&B run first, so the rows before the failure are in the offline log."""
+    out = cli(*TINY, "algorithm=fsdp", "optimizer.name=sgd", "optimizer.lr=1e38", "optimizer.warmup=0",
+              "trainer.steps=6", f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    assert out.returncode == 1 and "non-finite loss" in out.stderr, out.stderr[-3000:]
+    ran = len((tmp_path / "metrics.jsonl").read_text().splitlines())
+    (log,) = logs(tmp_path)
+    assert ran >= 1 and history_steps(log) == list(range(1, ran + 1))
+    assert exit_codes(log) == [1]
