@@ -18,7 +18,6 @@ import os
 import re
 import shlex
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -514,12 +513,10 @@ def assert_refused_before_workers(out, run_dir: Path, keys: set, cmd: str) -> No
 @pytest.mark.parametrize("override,key", ISSUE, ids=[k for _, k in ISSUE])
 def test_the_issues_inputs_exit_2_naming_the_key(tmp_path, override, key):
     """issue 14's seven inputs and issue 13's `+trainer.step=4`, on the default command."""
-    start = time.monotonic()
     args = ["trainer.steps=2", override, f"hydra.run.dir={tmp_path}"]
     out = cli(*args, cwd=tmp_path, timeout=120)
     assert_refused_before_workers(out, tmp_path, {key}, "python -m fldp.train " + " ".join(args))
     assert override.lstrip("+").split("=")[1] in out.stderr  # the value, as given
-    assert time.monotonic() - start < 60
 
 
 CLI_BASES = [(f"algorithm={a}", *CLI_BASE) for a in ALGORITHMS]

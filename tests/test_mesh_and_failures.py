@@ -113,11 +113,10 @@ def _fail_on_rank_2(device):
     dist.barrier()  # the others wait in a collective that will never complete
 
 
+@pytest.mark.timeout(120)  # the others, waiting in a barrier, would wait past it if they were not stopped
 def test_a_failing_worker_ends_the_whole_run(tmp_path):
-    start = time.monotonic()
     with pytest.raises(WorkerError, match=r"rank 2 failed first:(.|\n)*ValueError: injected failure"):
-        run_world(_fail_on_rank_2, 4)
-    assert time.monotonic() - start < 60
+        run_world(_fail_on_rank_2, 4, timeout_s=600)
     children = [p for p in os.listdir("/proc") if p.isdigit() and _parent(p) == os.getpid()]
     assert not children, f"worker processes left behind: {children}"
 
@@ -150,9 +149,8 @@ def test_a_worker_forked_while_tqdms_monitor_holds_its_lock_still_starts(monkeyp
     monitor = TMonitor(tqdm, 10)
     try:
         assert holding.wait(10)
-        start = time.monotonic()
         run_world(_progress_bar, 2, timeout_s=60)  # with the lock inherited held: stuck until the test's limit
-        assert time.monotonic() - start < 30 and not monitor.is_alive()
+        assert not monitor.is_alive()
     finally:
         monitor.exit()
 

@@ -3,7 +3,6 @@ directory or a dry run's output; W&B online without a key fails at once instead 
 import os
 import subprocess
 import sys
-import time
 
 from conftest import cli
 
@@ -46,7 +45,8 @@ def test_a_dry_run_never_prints_the_account(tmp_path):
 
 
 def test_wandb_online_without_a_key_fails_at_once(tmp_path):
-    start = time.monotonic()
+    """At once: before any worker, and without asking for a key (no standard input: a prompt would
+    wait until the time limit)."""
     env = {"HOME": str(tmp_path), "WANDB_API_KEY": "", "WANDB_MODE": "online"}
     out = subprocess.run([sys.executable, "-m", "fldp.train", "trainer.steps=1", "wandb.mode=online",
                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True,
@@ -54,4 +54,4 @@ def test_wandb_online_without_a_key_fails_at_once(tmp_path):
                          env={**{k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}, **env})
     assert out.returncode == 2, out.stderr[-2000:]
     assert "wandb.mode=online: no W&B API key" in out.stderr
-    assert time.monotonic() - start < 60 and not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert "local workers" not in out.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()
