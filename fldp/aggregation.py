@@ -134,6 +134,12 @@ class FedAvgConfig:
         """Which parameters are averaged (federated_mask)."""
         return federated_mask(self.federate, names)
 
+    def bucket_keys(self) -> dict:
+        """The keys that decide what each bucket (and fragment) holds, by name: a checkpoint records
+        those its saved state depends on, and a resume must keep them (fldp.checkpoint.check_schedule)."""
+        return {"algorithm.streaming.layout": self.streaming.layout, "algorithm.federate": list(self.federate),
+                "algorithm.fedavg.bucket_mb": self.bucket_mb}
+
     @classmethod
     def from_algorithm(cls, algorithm_cfg) -> FedAvgConfig | None:
         """None for the algorithms that aggregate nothing (`aggregation: null`: fsdp, hsdp)."""
@@ -496,6 +502,18 @@ class FedAvg:
                 ref.copy_(state[f"reference_{i}"])
         for i, residual in enumerate(self.residuals or ()):
             residual.copy_(state[f"residual_{i}"])
+
+
+def saved_with(fedavg: FedAvg) -> dict:
+    """What a checkpoint of FedAvg's state records of the config (meta.json): algorithm.federate,
+    which parameters were averaged; with fragments, their layout; and algorithm.fedavg.bucket_mb
+    where state is kept per bucket (anchor, outer state, reference, residual: another size regroups it)."""
+    keys = fedavg.config.bucket_keys()
+    if fedavg.fragments == 1:
+        del keys["algorithm.streaming.layout"]
+    if not fedavg.state_dict():
+        del keys["algorithm.fedavg.bucket_mb"]
+    return keys
 
 
 class _Divided:

@@ -173,11 +173,24 @@ def _schedule_json(schedule: tuple | None) -> list | None:
     return [list(p) for p in schedule] if schedule is not None else None
 
 
-def check_schedule(path: Path, schedule: tuple | None, fragments: int = 1) -> None:
+# why a resume must keep each key a checkpoint records of what its buckets and fragments hold
+_BUCKET_KEYS = {
+    "algorithm.streaming.layout": "the fragments would hold other layers, and the saved anchors and outer "
+                                  "state of each fragment would load into them",
+    "algorithm.federate": "other parameters would be averaged, and the saved anchors and outer state would "
+                          "load into them",
+    "algorithm.fedavg.bucket_mb": "the buckets would hold other parameters, and the state saved per bucket "
+                                  "would load into them",
+}
+
+
+def check_schedule(path: Path, schedule: tuple | None, fragments: int = 1, federation=None) -> None:
     """A checkpoint resumes only with the aggregation schedule (FedAvgConfig.schedule) and streaming
     fragments it was saved with: another would make the run neither the saved configuration nor the
     new one (the steps before the checkpoint aggregated on the old schedule), and other fragments
-    have other outer state. One from before meta.json held them passes."""
+    have other outer state. Likewise the keys that decide what a bucket holds, as far as the
+    checkpoint recorded them (`federation`: this run's FedAvgConfig; FedAvg.saved_with). One from
+    before meta.json held them passes."""
     meta = json.loads((path / "meta.json").read_text())
     schedule = _schedule_json(schedule)
     if "schedule" in meta and meta["schedule"] != schedule:
@@ -188,6 +201,12 @@ def check_schedule(path: Path, schedule: tuple | None, fragments: int = 1) -> No
         raise ConfigError(f"trainer.resume=auto: {path} was saved with algorithm.streaming.fragments="
                           f"{meta.get('fragments', 1)}, this run has {fragments}; resume with the same "
                           "fragments or use a new hydra.run.dir")
+    now = federation.bucket_keys() if federation is not None else {}
+    for key, saved in meta.get("saved_with", {}).items():
+        if now.get(key) != saved:
+            raise ConfigError(f"trainer.resume=auto: {path} was saved with {key}={saved}, this run has "
+                              f"{key}={now.get(key)}: {_BUCKET_KEYS[key]}; resume with the same {key} or use a "
+                              "new hydra.run.dir")
 
 
 class Checkpointer:
@@ -211,6 +230,13 @@ class Checkpointer:
         self.group, _ = dist.new_subgroups_by_enumeration(
             [list(range(f * size, (f + 1) * size)) for f in range(shape.federation)],
             backend="gloo" if async_save else None)
+
+    @property
+    def _aggregation(self):
+        """The FedAvg among the stateful components (fldp.trainer registers it as "outer"), or None."""
+        from .aggregation import FedAvg
+
+        return next((c for c in self.stateful.values() if isinstance(c, FedAvg)), None)
 
     def due(self, step: int) -> bool:
         return bool(self.every) and (step % self.every == 0 or step == self.last_step)
@@ -260,10 +286,13 @@ class Checkpointer:
             _fsync(path / f"group_{self.federation_index}")
         dist.barrier()  # every rank's shards and extras are written, and on the disk
         if self.rank == 0:
+            from .aggregation import saved_with
+
             meta = {"step": step, "algorithm": self.algorithm, "federation": self.shape.federation,
                     "replicate": self.shape.replicate, "shard": self.shape.shard,
                     "schedule": _schedule_json(self.schedule),
-                    **({"fragments": self.fragments} if self.fragments > 1 else {})}
+                    **({"fragments": self.fragments} if self.fragments > 1 else {}),
+                    **({"saved_with": saved_with(self._aggregation)} if self._aggregation else {})}
             with _writing(path):
                 (path / "meta.json").write_text(json.dumps(meta))
                 _fsync(path / "meta.json")
@@ -286,7 +315,8 @@ class Checkpointer:
     def load(self, path: Path, model, optimizer, scheduler) -> int:
         """Restore this rank from `path`; returns the step it was taken after."""
         check_mesh(path, self.shape)
-        check_schedule(path, self.schedule, self.fragments)
+        check_schedule(path, self.schedule, self.fragments,
+                       self._aggregation.config if self._aggregation else None)
         state = self._state(model, optimizer)
         dcp.load(state, checkpoint_id=path / f"group_{self.federation_index}", process_group=self.group)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

@@ -13,9 +13,10 @@ so the bytes are the payload's over the parameters' (int8 over bf16: 1/2, plus t
 per block).
 
 Kinds: int8 (scale = absmax / 127, round to nearest even), int4 (absmax / 7, two per byte), fp8
-e4m3 (absmax / 448, torch's cast to float8_e4m3fn). A block whose values are all zero gets scale 1.
-On the wire a chunk is its payload bytes followed by its fp32 scales' bytes (one tensor per
-collective, so gloo moves plain uint8).
+e4m3 (absmax / 448, torch's cast to float8_e4m3fn, which saturates at 448); the integers clamped to
++-127 and +-7 (a subnormal absmax makes absmax / scale inexact: up to 127.6 in int8, rounding to
+128). A block whose values are all zero gets scale 1. On the wire a chunk is its payload bytes
+followed by its fp32 scales' bytes (one tensor per collective, so gloo moves plain uint8).
 
 `quantized_mean` is the definition in one process (the simulator runs it; the trainer's
 `all_reduce_mean` is the same arithmetic over the federation group's collectives).
@@ -68,12 +69,16 @@ class Quantizer:
         scale = blocks.abs().amax(dim=1, keepdim=True) / KINDS[self.kind][1]
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         scaled = blocks / scale
+        # a subnormal absmax divides inexactly: absmax / scale can exceed the largest magnitude
+        # (127.6, rounding to 128, which int8 wraps to -128), so the grid is clamped to +-qmax
+        # (torch's cast to float8_e4m3fn saturates at 448 itself)
+        qmax = KINDS[self.kind][1]
         if self.kind == "fp8":
             payload = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
         elif self.kind == "int8":
-            payload = scaled.round().to(torch.int8).view(torch.uint8)
+            payload = scaled.round().clamp_(-qmax, qmax).to(torch.int8).view(torch.uint8)
         else:  # int4: q + 8 in [1, 15], the even element in the low nibble
-            q = (scaled.round() + 8).to(torch.uint8).view(-1, 2)
+            q = (scaled.round().clamp_(-qmax, qmax) + 8).to(torch.uint8).view(-1, 2)
             payload = q[:, 0] | (q[:, 1] << 4)
         return torch.cat([payload.reshape(-1), scale.reshape(-1).view(torch.uint8)])
 

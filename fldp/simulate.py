@@ -33,7 +33,8 @@ from .model import DTYPES, build_model, init_weights, llama_config
 from .quantize import Quantizer, quantized_mean, residual_for
 from .records import PHASES, Recorder
 from .streaming import Exchange
-from .trainer import AVERAGE, GROUPS_MEAN, ONE_MODEL, build_optimizer, build_scheduler, run_summary, total_steps
+from .trainer import (AVERAGE, GROUPS_MEAN, ONE_MODEL, PhaseTimer, build_optimizer, build_scheduler, run_summary,
+                      total_steps)
 
 # vmap has no batching rule for CPU flash attention and loops over the groups inside that one op
 # (measured: as fast as eager attention at F = 128); the warning would repeat at every step
@@ -233,24 +234,27 @@ class Simulation:
         tokens_per_step = shape.world * cfg.trainer.batch_size * self.blocks.train.shape[1]
         recorder = Recorder(run_dir, cfg, steps, cfg.trainer.progress)
         batches, train_time, row = self.batches(), 0.0, {}
+        timer = PhaseTimer(self.device)  # the trainer's laps: on CUDA, synchronised at each boundary
         for step in range(1, steps + 1):
-            times, t0 = {}, time.perf_counter()
+            timer.start()
             x = next(batches)
             lr = self.scheduler.get_last_lr()[0]
             losses = self.losses(self.groups.by_name(), x)
-            times["forward"] = time.perf_counter() - t0
+            timer.lap("forward")
             losses.sum().backward()  # group g's parameters get the gradient of group g's loss alone
-            times["backward"] = time.perf_counter() - t0 - times["forward"]
+            timer.lap("backward")
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-            times["optimizer"] = time.perf_counter() - t0 - times["forward"] - times["backward"]
+            timer.lap("optimizer")
             due = self.fedavg.exchange(step, steps) if self.fedavg is not None else Exchange()
             aggregated = bool(due)
             if aggregated:
                 self.exchange(due)
-            step_time = time.perf_counter() - t0
-            times["aggregation"] = step_time - sum(times.values()) if aggregated else 0.0
+                timer.lap("aggregation")
+            else:
+                timer.times["aggregation"] = 0.0  # the phase did not run this step
+            times, step_time = timer.times, timer.total()
             mean_loss = losses.mean().item()  # every group has R*S ranks: the mean over ranks
             if not math.isfinite(mean_loss):
                 raise FloatingPointError(f"non-finite loss ({mean_loss}) at step {step}: stopping")

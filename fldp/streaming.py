@@ -3,8 +3,11 @@ split into P fragments, and each fragment is aggregated on its own, at staggered
 aggregation sends 1/P of the model (the peak bytes per step / P) and the same total.
 
 Fragments are groups of FSDP units. The units, in depth order, are the root (embeddings, final norm,
-lm_head: the unit around the layers) and then the decoder layers; `strided` puts unit u in
-fragment u % P (each fragment spans the depth, the paper's choice), `contiguous` in u * P // units.
+lm_head: the unit around the layers) and then the decoder layers. Only the units that hold a federated
+parameter count (algorithm.federate may leave the root, or layers, local): numbered u = 0, 1, ... in
+depth order, `strided` puts unit u in fragment u % P (each fragment spans the depth, the paper's
+choice), `contiguous` in u * P // units; so every fragment holds a unit, and P above the number of
+federated units is refused.
 With period A (P divides A), fragment p aggregates at the steps t with t = (p + 1) A / P (mod A):
 fragment P - 1 on the steps a whole-model aggregation would take, the others A / P, 2 A / P, ...
 steps before; the last step aggregates every fragment, so all groups end identical. This is
@@ -124,12 +127,26 @@ class StreamingConfig:
         return Exchange(tuple(p for p in merges if p not in flying), merges, 0.0)
 
     def fragment_of(self, names: list[str]) -> list[int]:
-        """Each parameter's fragment, by its FSDP unit (the root, or decoder layer i: unit i + 1)."""
+        """Each parameter's fragment, by its FSDP unit (the root, or decoder layer i: unit i + 1).
+        `names`: the federated parameters only. The units that hold them are numbered 0, 1, ... in
+        depth order and the layout deals those out, so every fragment gets at least one unit (a
+        unit left local, e.g. the root under algorithm.federate=[model\\.layers\\..*], is no one's)."""
         units = [fsdp_unit(name) for name in names]
-        count = max(units) + 1
+        present = sorted(set(units))
+        count = len(present)
         if self.fragments > count:
-            raise ConfigError(f"algorithm.streaming.fragments={self.fragments}: the model has {count} FSDP units "
-                              f"(the root and {count - 1} decoder layers) to split; at most {count} fragments")
+            raise ConfigError(f"algorithm.streaming.fragments={self.fragments}: the federated parameters lie in "
+                              f"{_units_named(present)}; a fragment is a set of these units, so at most {count} "
+                              f"fragment{'s' * (count != 1)} (fewer fragments, or a wider algorithm.federate)")
+        rank = {u: i for i, u in enumerate(present)}
         if self.layout == "strided":
-            return [u % self.fragments for u in units]
-        return [u * self.fragments // count for u in units]
+            return [rank[u] % self.fragments for u in units]
+        return [rank[u] * self.fragments // count for u in units]
+
+
+def _units_named(units: list[int]) -> str:
+    """FSDP units in words: 'the root and 2 decoder layers' / '1 FSDP unit (decoder layer 3)'."""
+    layers = [u - 1 for u in units if u]
+    parts = (["the root"] if 0 in units else []) + (
+        [f"{len(layers)} decoder layer{'s' * (len(layers) != 1)} ({', '.join(map(str, layers))})"] if layers else [])
+    return f"{len(units)} FSDP unit{'s' * (len(units) != 1)}: " + " and ".join(parts)

@@ -25,15 +25,30 @@ QMAX = {"int8": 127.0, "int4": 7.0, "fp8": 448.0}
 
 def dequantised(x: torch.Tensor, kind: str, block: int) -> torch.Tensor:
     """x (fp32, whole blocks) as the receiver sees it: each block scaled by its absmax / qmax into
-    the kind's grid, then back."""
+    the kind's grid (at most qmax in magnitude: the grid has nothing beyond), then back."""
     out = []
     for b in x.split(block):
         scale = b.abs().max() / QMAX[kind]
         scale = scale if scale > 0 else torch.tensor(1.0)
-        grid = (b / scale).to(torch.float8_e4m3fn).float() if kind == "fp8" else torch.round(b / scale)
-        assert grid.abs().max() <= QMAX[kind]
+        ratio = torch.clamp(b / scale, -QMAX[kind], QMAX[kind])
+        grid = ratio.to(torch.float8_e4m3fn).float() if kind == "fp8" else torch.round(ratio)
         out.append(grid * scale)
     return torch.cat(out)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
+def test_a_block_whose_largest_value_is_subnormal_keeps_its_signs(kind):
+    """A subnormal absmax divides inexactly: absmax / (absmax / 127) can be 127.6, which rounds to
+    128 and, as int8, wraps to -128 (int4: 8, past its nibble). Blocks [a, -a, a / 2, 0] over every
+    subnormal a: each value decodes with its own sign, as the definition (grid clamped to qmax) says."""
+    q = Quantizer(kind, 4)
+    bits = torch.cat([torch.arange(1, 2**13), torch.arange(2**13, 2**23, 1021)]).to(torch.int32)
+    subnormals = bits.view(torch.float32)  # the smallest 8,191 subnormals, then 1 in 1,021
+    x = torch.stack([subnormals, -subnormals, subnormals / 2, torch.zeros_like(subnormals)], dim=1).reshape(-1)
+    decoded = q.decode(q.encode(x), x.numel())
+    assert torch.equal(decoded, dequantised(x, kind, 4))
+    assert not (decoded * x < 0).any(), x[decoded * x < 0][:4].tolist()
+    assert (decoded.view(-1, 4)[:, 0] >= 0).all() and (decoded.view(-1, 4)[:, 1] <= 0).all()
 
 
 def reference_mean(changes, kind: str, block: int, residuals=None) -> torch.Tensor:

@@ -177,6 +177,45 @@ def test_resume_with_another_schedule_is_refused(tmp_path, uninterrupted):
     assert same.returncode == 0, same.stderr[-3000:]
 
 
+STREAMED = ["algorithm=fl_fsdp", "topology=local_2", "mesh.federation=2", "mesh.shard=1", "trainer.steps=8",
+            "algorithm.every=4", "algorithm.streaming.fragments=2", "algorithm.outer.lr=0.7",
+            "algorithm.outer.momentum=0.9", "trainer.checkpoint_every=4", "trainer.progress=false",
+            "trainer.eval_batches=1", "wandb.mode=offline"]
+
+
+def fldp_train(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["fldp-train", *args], cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+def test_resume_that_changes_what_a_saved_bucket_holds_is_refused_and_loses_nothing(tmp_path):
+    """DiLoCo with 2 strided fragments keeps an anchor and momentum per bucket: a resume with another
+    layout (the fragments would hold other layers), other federated parameters, or other buckets
+    would load them into the wrong parameters. Each is refused with exit 2 naming its key, the
+    checkpoint is left as it was, and a resume with the saved keys then finishes the run."""
+    run_dir = tmp_path / "run"
+    first = fldp_train(*STREAMED, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    shutil.rmtree(run_dir / "checkpoints" / "step_00000008")  # as if stopped after step 4's checkpoint
+    saved = latest(run_dir)
+    assert saved.name == "step_00000004"
+    kept = {p: p.read_bytes() for p in sorted(saved.rglob("*")) if p.is_file()}
+    for override, named in (
+            ("algorithm.streaming.layout=contiguous", "algorithm.streaming.layout=strided, this run has "
+                                                      "algorithm.streaming.layout=contiguous"),
+            ("algorithm.federate=[model\\.layers\\..*]", "algorithm.federate=['.*'], this run has "
+                                                           "algorithm.federate=['model\\\\.layers\\\\..*']"),
+            ("algorithm.fedavg.bucket_mb=0.01", "algorithm.fedavg.bucket_mb=25, this run has "
+                                                "algorithm.fedavg.bucket_mb=0.01")):
+        out = fldp_train(*STREAMED, override, "trainer.resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+        assert out.returncode == 2, (override, out.stderr[-3000:])
+        assert "fldp: config error" in out.stderr and named in out.stderr, out.stderr[-3000:]
+        assert latest(run_dir) == saved
+        assert {p: p.read_bytes() for p in sorted(saved.rglob("*")) if p.is_file()} == kept
+    resumed = fldp_train(*STREAMED, "trainer.resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert latest(run_dir).name == "step_00000008" and len(read_rows(run_dir)) == 8
+
+
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     out = cli("algorithm=fsdp", "optimizer.name=sgd", "optimizer.lr=1e38", "optimizer.warmup=0",
               "trainer.steps=6", "trainer.checkpoint_every=1", "wandb.mode=disabled",
@@ -194,11 +233,10 @@ def _hang_on_rank_1(device):
     dist.barrier()
 
 
+@pytest.mark.timeout(120)  # rank 1 sleeps 300 s: only the collective's 5 s timeout ends the run before this
 def test_a_rank_hung_in_a_collective_ends_the_run_within_the_timeout():
-    start = time.monotonic()
     with pytest.raises(WorkerError, match=r"failed first(.|\n)*([Tt]imed out|timeout)"):
         run_world(_hang_on_rank_1, 4, timeout_s=5)
-    assert time.monotonic() - start < 60
 
 
 def test_existing_records_are_not_overwritten(tmp_path, uninterrupted):
@@ -531,14 +569,13 @@ def test_a_checkpoint_directory_turned_read_only_mid_run_stops_it_naming_it(tmp_
 def test_sigterm_or_ctrl_c_stops_every_worker_and_resume_is_exact(tmp_path, short_uninterrupted, how):
     """SLURM's pre-kill or `kill`: SIGTERM to the launcher. A terminal's Ctrl-C: SIGINT to the whole
     process group, workers included; here one worker does not stop (SIGSTOP: as one stuck in native
-    code), which the launcher would SIGKILL after 5 s, and a second Ctrl-C kills it at once. Sent as
+    code), which the launcher would SIGKILL after 10 s, and a second Ctrl-C kills it at once. Sent as
     the second checkpoint starts, so that one is often cut short."""
     run_dir = tmp_path / "run"
     proc = start(run_dir, tmp_path)
     wait_for(proc, lambda: (run_dir / "checkpoints" / "step_00000008").exists(), "a second checkpoint")
     workers = _children(proc.pid)
     assert len(workers) == 2, workers
-    sent = time.monotonic()
     if how == "SIGTERM to the launcher":
         name = "SIGTERM"
         proc.send_signal(signal.SIGTERM)
@@ -551,15 +588,15 @@ def test_sigterm_or_ctrl_c_stops_every_worker_and_resume_is_exact(tmp_path, shor
         os.killpg(proc.pid, signal.SIGINT)
         second = time.monotonic()
         while os.path.exists(f"/proc/{workers[1]}") and _state(workers[1]) != "Z":
-            assert time.monotonic() - second < 3, "the second Ctrl-C did not kill the stuck worker"
+            # which mechanism killed it, not a speed: the launcher's own SIGKILL would come only after
+            # its 10 s patience (launch._stop)
+            assert time.monotonic() - second < 8, "the second Ctrl-C did not kill the stuck worker"
             time.sleep(0.02)
     _, stderr = proc.communicate(timeout=60)
-    took = time.monotonic() - sent
     assert proc.returncode == 128 + getattr(signal, name), stderr[-3000:]
     assert_one_clear_line(stderr, f"interrupted by {name}: the workers were stopped; continue from {run_dir}/checkpoints/")
     assert not survivors(proc.pid), "workers outlived their launcher"
     assert not [w for w in workers if os.path.exists(f"/proc/{w}") and _state(w) != "Z"]
-    assert took < 15, f"the launcher took {took:.1f} s to stop"
     assert_nothing_half_done(run_dir)
     assert latest(run_dir).name in ("step_00000004", "step_00000008")
     assert_resume_is_exact(SHORT, run_dir, short_uninterrupted, tmp_path, in_process=True)

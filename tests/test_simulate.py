@@ -97,3 +97,37 @@ def test_what_the_simulator_cannot_do_is_refused(override, words, tmp_path):
     out = cli("cluster=simulate", override, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert out.returncode == 2 and words in out.stderr, out.stderr[-2000:]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+class CudaLabelledCpu(str):
+    """A device that says it is CUDA (`.type`) while torch, reading the string, puts the tensors on
+    the CPU: the timing path takes it for a GPU, the arithmetic runs here."""
+    type = "cuda"
+
+
+def test_on_cuda_the_simulators_phase_times_are_taken_after_a_synchronise(tmp_path, monkeypatch):
+    """On a GPU the kernels run after their launch: a phase's time is right only if the clock is read
+    after torch.cuda.synchronize(), at every phase boundary, as the trainer's PhaseTimer does."""
+    events = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: events.append("sync"))
+    cfg = compose_cfg("algorithm=fl_fsdp", "topology=local_2", "trainer.steps=2", "algorithm.every=2",
+                      "trainer.eval_batches=1", "cluster=simulate")
+    sim = Simulation(cfg, prepare(cfg.dataset), torch.device("cpu"))
+    sim.device = CudaLabelledCpu("cpu")
+    for name in ("losses", "exchange"):  # the forward pass and the aggregation, as they run
+        monkeypatch.setattr(sim, name, _marked(getattr(sim, name), name, events))
+    monkeypatch.setattr(sim.optimizer, "step", _marked(sim.optimizer.step, "optimizer", events))
+    sim.run(str(tmp_path / "run"))
+    # per step: synchronise, forward, synchronise (forward's end), backward, synchronise, the
+    # optimiser, synchronise; at step 2 the aggregation, then a synchronise again
+    step = ["sync", "losses", "sync", "sync", "optimizer", "sync"]
+    assert events == step + step + ["exchange", "sync"], events
+    rows = read_rows(tmp_path / "run")
+    assert all(r[f"time_{p}"] >= 0 for r in rows for p in ("forward", "backward", "optimizer", "aggregation"))
+
+
+def _marked(call, name: str, events: list):
+    def marked(*args, **kwargs):
+        events.append(name)
+        return call(*args, **kwargs)
+    return marked

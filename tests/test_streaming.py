@@ -5,6 +5,7 @@ without streaming."""
 from __future__ import annotations
 
 import multiprocessing
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -132,7 +133,11 @@ def test_one_fragment_is_the_aggregation_without_streaming_bit_for_bit(tmp_path)
 
 @pytest.mark.parametrize("overrides, named", [
     (["algorithm.streaming.fragments=3", "algorithm.every=8"], "must divide algorithm.every=8"),
-    (["algorithm.streaming.fragments=4", "algorithm.every=8"], "the model has 3 FSDP units"),
+    (["algorithm.streaming.fragments=4", "algorithm.every=8"],
+     "federated parameters lie in 3 FSDP units: the root and 2 decoder layers"),
+    # the root left local: 2 units federated, so 3 fragments would leave one empty
+    (["algorithm.federate=[model\\.layers\\..*]", "algorithm.streaming.fragments=3", "algorithm.every=6"],
+     "lie in 2 FSDP units: 2 decoder layers (0, 1); a fragment is a set of these units, so at most 2 fragments"),
     (["algorithm.streaming.fragments=2", "algorithm.every=[[0,2],[4,4]]"], "streaming needs one period"),
     (["algorithm.streaming.fragments=2", "algorithm.every=4", "algorithm.streaming.overlap=2"],
      "overlap=2 must be less than algorithm.every / fragments = 2"),
@@ -198,4 +203,44 @@ def test_the_simulator_streams_as_the_trainer_does(tmp_path, layout, streaming):
     simulated = read_rows(tmp_path / "sim")
     for key in ("fragments", "fragments_sent"):
         assert [r.get(key) for r in simulated] == [r.get(key) for r in trained]
+    assert [r["loss"] for r in simulated] == pytest.approx([r["loss"] for r in trained], rel=1e-5)
+
+
+LAYERS_ONLY = ["algorithm=fl_fsdp", "topology=local_2", "mesh.federation=2", "mesh.shard=1",
+               "algorithm.federate=[model\\.layers\\..*]", "trainer.steps=6"]
+
+
+@pytest.mark.parametrize("cluster", ["local", "simulate"])
+def test_a_fragment_that_would_hold_nothing_is_refused_before_any_worker_starts(tmp_path, cluster):
+    """The root left local, the 2-layer model federates 2 FSDP units: 3 fragments would leave one
+    empty (the trainer aggregated nothing for it, the simulator crashed). fldp-train refuses it, the
+    trainer and the simulator alike, with exit 2 and before a record is written."""
+    run_dir = tmp_path / "run"
+    out = subprocess.run(["fldp-train", *LAYERS_ONLY, "algorithm.streaming.fragments=3", "algorithm.every=6",
+                          f"cluster={cluster}", "wandb.mode=offline", f"hydra.run.dir={run_dir}"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "algorithm.streaming.fragments=3: the federated parameters lie in 2 FSDP units" in out.stderr
+    assert not (run_dir / "metrics.jsonl").exists() and not list(tmp_path.rglob("wandb"))
+
+
+def test_the_fragments_deal_out_only_the_federated_units_so_none_is_empty(tmp_path):
+    """Layers 0 and 2 of 3 federated (FSDP units 2 and 4 of 0..3 by depth, counting the root 0): 2
+    strided fragments get one each, layer 0 and layer 2 (by the unit's number they both went to
+    fragment 1, fragment 0 empty). The trainer aggregates them on the schedule, and the simulator,
+    which needs something in each fragment, agrees with it."""
+    federate = ["model.num_hidden_layers=3", "algorithm.federate=['model\\.layers\\.[02]\\..*']",
+                "algorithm.streaming.fragments=2", "algorithm.every=2", "trainer.precision=fp32"]
+    common = [*LAYERS_ONLY, *federate]
+    names = ["model.embed_tokens.weight", "model.layers.0.w", "model.layers.2.w", "model.layers.2.v"]
+    assert StreamingConfig(fragments=2).fragment_of(names[1:]) == [0, 1, 1]
+    assert StreamingConfig(fragments=2, layout="contiguous").fragment_of(names[1:]) == [0, 1, 1]
+    trained = train_world(compose_cfg(*common), tmp_path / "trainer")
+    from fldp import simulate
+
+    cfg = compose_cfg(*common, "cluster=simulate")
+    simulate.run(cfg, str(tmp_path / "sim"), prepare(cfg.dataset))
+    simulated = read_rows(tmp_path / "sim")
+    assert [r.get("fragments") for r in trained] == [[0], [1], [0], [1], [0], [0, 1]]  # A / P = 1 step apart
+    assert [r.get("fragments") for r in simulated] == [r.get("fragments") for r in trained]
     assert [r["loss"] for r in simulated] == pytest.approx([r["loss"] for r in trained], rel=1e-5)
