@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import http.client
 import json
 import logging
 import os
+import re
 import tempfile
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,15 +51,60 @@ def looks_local(path: str) -> bool:
     return path.startswith((".", "/", "~")) or Path(path).expanduser().exists()
 
 
-def load_tokenizer(path: str):
+# Hugging Face's offline switches: the hub's (transformers and datasets read it too) and each library's
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
+HUB_PROBE_TIMEOUT_S = 10
+
+
+def hub_unreachable() -> str | None:
+    """Why the Hugging Face hub cannot be used from here (offline mode, or no answer to one request),
+    None if it answers. Asked once, without retries: huggingface_hub retries a request that fails
+    to connect 5 times, backing off (~45 s), before a run could say why it cannot start. urllib, as
+    huggingface_hub, takes its proxies from HTTPS_PROXY/HTTP_PROXY/NO_PROXY."""
+    for name in OFFLINE_VARIABLES:
+        if os.environ.get(name, "").strip().upper() in ("1", "ON", "YES", "TRUE"):
+            return f"{name}={os.environ[name]} (offline mode)"
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")  # as huggingface_hub reads it
+    try:
+        with urllib.request.urlopen(urllib.request.Request(f"{endpoint}/", method="HEAD"),
+                                    timeout=HUB_PROBE_TIMEOUT_S) as response:
+            status = response.status
+    except urllib.error.HTTPError as e:  # an answer all the same
+        status = e.code
+    except (OSError, http.client.HTTPException) as e:  # no route, refused, DNS, TLS, closed unanswered
+        reason = e.reason if isinstance(e, urllib.error.URLError) else e
+        return f"the hub cannot be reached at {endpoint} ({type(reason).__name__}: {reason})"
+    return f"the hub at {endpoint} answers HTTP {status}" if status >= 500 else None
+
+
+def env_variable(node, key: str) -> str | None:
+    """The environment variable the config reads `key` from, e.g. CLEAN_MC4_IT; None if none."""
+    m = re.search(r"oc\.env:(\w+)", str(OmegaConf.to_container(node, resolve=False).get(key)))
+    return m.group(1) if m else None
+
+
+def where_to_set(data_cfg, key: str) -> str:
+    """'CLEAN_MC4_IT (or dataset.path)': what a user sets to give dataset.<key> another value."""
+    name = env_variable(data_cfg, key) if OmegaConf.is_config(data_cfg) else None
+    return f"{name} (or dataset.{key})" if name else f"dataset.{key}"
+
+
+def load_tokenizer(path: str, setting: str = "dataset.tokenizer"):
+    """The tokenizer of a local directory or a hub id; with the hub out of reach, a hub id only from
+    Hugging Face's cache. `setting` names what to set instead (where_to_set)."""
     from transformers import AutoTokenizer
 
     local = Path(path)
     if looks_local(path) and not local.expanduser().is_dir():
         raise ConfigError(f"dataset.tokenizer={path}: no such tokenizer directory")
+    hub_down = None if looks_local(path) else hub_unreachable()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(local.expanduser()) if local.exists() else path)
-    except Exception as e:  # hub id without network, or a broken directory
+        tokenizer = AutoTokenizer.from_pretrained(str(local.expanduser()) if local.exists() else path,
+                                                  local_files_only=hub_down is not None)
+    except Exception as e:  # a broken directory, a hub id the hub lacks, or no network
+        if hub_down:
+            raise ConfigError(f"dataset.tokenizer={path}: a hub id, but {hub_down}, and the Hugging Face cache "
+                              f"holds no copy of it: set {setting} to a local directory holding the tokenizer") from e
         raise ConfigError(f"dataset.tokenizer={path}: cannot load a tokenizer ({type(e).__name__}: {e})") from e
     if tokenizer.eos_token_id is None:  # documents are concatenated with EOS between them
         config = local.expanduser() / "tokenizer_config.json"
@@ -228,7 +277,7 @@ def prepare(data_cfg) -> Blocks:
     if int(data_cfg.block_size) < 2:
         raise ConfigError(f"dataset.block_size={data_cfg.block_size}: must be >= 2")
     _check_data_files(data_cfg)
-    tokenizer = load_tokenizer(str(data_cfg.tokenizer))
+    tokenizer = load_tokenizer(str(data_cfg.tokenizer), where_to_set(data_cfg, "tokenizer"))
     cache, made_from = cache_entry(data_cfg, tokenizer)
     try:
         saved = read_cache(cache, made_from)
@@ -237,6 +286,7 @@ def prepare(data_cfg) -> Blocks:
         saved = None
     if saved is not None:
         return Blocks(saved["train"], saved["eval"], saved["vocab_size"], cache)
+    check_hub_dataset(data_cfg)
     splits = {}
     for key, split, limit in (("train", data_cfg.train_split, data_cfg.train_blocks),
                               ("eval", data_cfg.eval_split, data_cfg.eval_blocks)):
@@ -251,6 +301,17 @@ def prepare(data_cfg) -> Blocks:
                     "made_from": json.dumps(made_from)}, f)
     os.replace(f.name, cache)  # atomic: a concurrent reader never sees half a file
     return blocks
+
+
+def check_hub_dataset(data_cfg) -> None:
+    """A dataset.path that names a hub dataset is streamed from the hub: refused at once if the hub
+    is out of reach (datasets would retry for ~45 s first)."""
+    path = str(data_cfg.path)
+    if data_cfg.data_files or looks_local(path):  # with data_files, dataset.path is a builder (json, ...)
+        return
+    if hub_down := hub_unreachable():
+        raise ConfigError(f"dataset.path={path}: a hub dataset, but {hub_down}: set {where_to_set(data_cfg, 'path')} "
+                          f"to a local copy (a directory of its data files)")
 
 
 class RankBatches:

@@ -15,14 +15,14 @@ checked on the submitting host before sbatch (fldp/slurm.py `submit`).
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import shutil
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from .data import StaleCache, cache_entry, is_glob, is_url, load_tokenizer, local_files, looks_local, read_cache
+from .data import (StaleCache, cache_entry, env_variable, is_glob, is_url, load_tokenizer, local_files, looks_local,
+                   read_cache)
 from .mesh import ConfigError
 
 NO_INTERNET = "compute nodes have no internet"
@@ -55,17 +55,11 @@ def prepare_command() -> str:
     return " ".join(["python -m fldp.data", *overrides])
 
 
-def _env_var(node, key: str) -> str | None:
-    """The environment variable the config reads `key` from, e.g. CLEAN_MC4_IT; None if none."""
-    m = re.search(r"oc\.env:(\w+)", str(OmegaConf.to_container(node, resolve=False).get(key)))
-    return m.group(1) if m else None
-
-
 def _local_dir(d, key: str, what: str) -> list[str]:
     """dataset.<key> must name an existing local directory: not a hub id, nor a missing path."""
     path = str(d[key])
     if not looks_local(path):
-        var = _env_var(d, key)
+        var = env_variable(d, key)
         return [f"dataset.{key}={path}: a hub id, but {NO_INTERNET}: set "
                 + (f"{var} (or dataset.{key})" if var else f"dataset.{key}") + f" to {what}"]
     if not Path(path).expanduser().is_dir():

@@ -64,6 +64,15 @@ def source_commit() -> str | None:
     return _COMMIT_AT_IMPORT
 
 
+def version_line() -> str:
+    """What `fldp-train --version` prints: fldp's version and the commit of the code imported."""
+    try:
+        version = importlib.metadata.version("fldp")
+    except importlib.metadata.PackageNotFoundError:
+        version = "(not installed)"
+    return f"fldp {version}, commit {source_commit() or 'unknown (not run from a git checkout of fldp)'}"
+
+
 def run_fields() -> dict:
     """What summary.json and the W&B config record of where a run came from: `commit` (the key
     the analysis reads) and `provenance`."""

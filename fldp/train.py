@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from . import CONF, netns, schema, slurm, sweep
 from .errors import ConfigError, Interrupted, WorkerError, WriteError
 from .mesh import mesh_shape
-from .provenance import record_command
+from .provenance import record_command, version_line
 from .records import check_wandb_login
 
 log = logging.getLogger("fldp")
@@ -37,14 +37,22 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are forked a
 
 def validate(cfg: DictConfig):
     """Fail fast on a config that cannot work; returns the mesh shape. First the schema (every key
-    known, typed and in range: fldp.schema), then what ties the groups together."""
+    known, typed and in range: fldp.schema) and the mesh, before torch is imported (seconds of a
+    refusal's time otherwise); then what needs torch (the model's parameters, the devices)."""
+    schema.check(cfg)
+    shape = mesh_shape(cfg)
+    check_with_torch(cfg)
+    return shape
+
+
+def check_with_torch(cfg: DictConfig) -> None:
+    """What ties the groups together and needs torch: the algorithm's patterns and fragments against
+    the model's parameters, elastic federation, the devices, the emulated network."""
     import torch
 
     from . import launch
     from .aggregation import FedAvgConfig
 
-    schema.check(cfg)
-    shape = mesh_shape(cfg)
     federation = FedAvgConfig.from_algorithm(cfg.algorithm)
     # every pattern must name a parameter; the model must have a unit for every streaming fragment
     if federation is not None and (federation.federate != (".*",) or federation.streaming.fragments > 1):
@@ -62,14 +70,13 @@ def validate(cfg: DictConfig):
     elastic.check(cfg)
     if simulates(cfg):  # no ranks, no network: the topology gives only the mesh
         check_simulation(cfg)
-        return shape
+        return
     if cfg.topology.device == "cuda" and not slurm.submits(cfg) and not torch.cuda.is_available():
         launcher = f", cluster.launcher={cfg.cluster.launcher}" if cfg.cluster.get("launcher") else ""
         raise ConfigError(f"topology.device=cuda (topology={cfg.topology.name}): no CUDA device here, where "
                           f"cluster={cfg.cluster.name}{launcher} runs the workers")
     # emulated nodes: the link's keys, root, `ip` and `tc`
     netns.check(cfg, forks_locally=launch.from_environment() is None and not slurm.submits(cfg))
-    return shape
 
 
 def simulates(cfg) -> bool:
@@ -113,7 +120,7 @@ def check_run_dir(cfg, shape, run_dir: str) -> None:
         check_mesh(saved, shape)
         federation = FedAvgConfig.from_algorithm(cfg.algorithm)
         check_schedule(saved, federation.schedule if federation else None,
-                       federation.streaming.fragments if federation else 1)
+                       federation.streaming.fragments if federation else 1, federation)
 
 
 def check_not_another_run(cfg, run_dir: str) -> None:
@@ -311,6 +318,9 @@ def cli() -> None:
     checked before Hydra writes anything, so a config that cannot work, Hydra's own override
     errors included, exits 2 naming the key, and leaves no directory behind."""
     args = sys.argv[1:]
+    if "--version" in args:  # fldp's, not Hydra's
+        print(version_line())
+        sys.exit(0)
     record_command(args)
     if not any(a.startswith("-") and a not in _RUN_FLAGS for a in args) and not launched():
         try:
@@ -327,8 +337,15 @@ def cli() -> None:
         sys.exit(1)
 
 
+# Variables fldp.launch.from_environment needs one of to find a launched rank (torchrun's RANK, a
+# SLURM step's id): without them this process is none, said without importing torch with fldp.launch
+LAUNCHER_VARIABLES = ("RANK", "SLURM_STEP_ID")
+
+
 def launched() -> bool:
     """Whether this process is a rank of a world torchrun or srun started (the launcher checked it)."""
+    if not any(v in os.environ for v in LAUNCHER_VARIABLES):
+        return False
     from . import launch
 
     return launch.from_environment() is not None
