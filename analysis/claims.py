@@ -2,8 +2,8 @@
 
 Every finding is a ratio a / b the paper finds above 1, paired by seed (runs with the same seed
 share the initial weights and data order) and judged by analysis/stats.py: the paper's five
-perplexity claims are the primary family (Holm); the time claims are exploratory (a plain 95%
-interval, not a finding). Each finding is also checked on the paper's own tables, so its definition
+perplexity claims are the primary family (simultaneous 95% intervals for the size, Holm's step-down
+for the direction); the time claims are exploratory (a plain 95% interval, not a finding). Each finding is also checked on the paper's own tables, so its definition
 is known to match the paper."""
 from __future__ import annotations
 

@@ -2,6 +2,7 @@
 
     python -m analysis.paper_shape RUNS --decide [--seeds N]        # for experiments/paper_shape.sh
     python -m analysis.paper_shape RUNS --out DIR [--elapsed S] [--strict]
+    python -m analysis.paper_shape --rejudge RESULTS                  # verdicts again, from RESULTS/runs.csv
 
 Every run says which phase made it by its directory (RUNS/tune/..., hsdp, pilot, judge). --decide
 applies the plan's rules to the runs so far and prints them as shell assignments: each arm's chosen
@@ -16,6 +17,7 @@ import math
 import os
 import shlex
 import sys
+from datetime import date
 from pathlib import Path
 
 import matplotlib
@@ -29,7 +31,7 @@ from . import paper as paper_values  # noqa: E402
 from .discover import add_allow_mixed, collect_for  # noqa: E402
 from .render import markdown  # noqa: E402
 from .science import paper_ratio  # noqa: E402
-from .stats import LEVEL, Claim, judge, paired_ratio, seeds_for  # noqa: E402
+from .stats import Claim, judge, paired_ratio, seeds_for  # noqa: E402
 from .tables import NAMES  # noqa: E402
 
 PLAN = Path(__file__).resolve().parents[1] / "experiments" / "paper_shape" / "PLAN.md"
@@ -184,6 +186,51 @@ def figure(df: pd.DataFrame, chosen: dict, out: Path) -> None:
     plt.close(fig)
 
 
+VERDICTS_NOTE = (
+    f"Intervals: simultaneous, each of a family's {len(CLAIMS)} at 1 - 0.05 / {len(CLAIMS)} = "
+    f"{1 - 0.05 / len(CLAIMS):.2%} (Bonferroni), so that all {len(CLAIMS)} cover their true ratios together "
+    "at least 95% of the time; the size verdict reads them. The direction "
+    "reads the interval at the level Holm's step-down assigns the claim (`direction at`; never wider). "
+    "The plan's amendment 2.")
+
+
+def verdicts(df: pd.DataFrame, chosen: dict, paper: dict, out: Path) -> list[str]:
+    """The verdicts section of report.md; writes findings.csv."""
+    f = findings(df, chosen, paper)
+    f.to_csv(out / "findings.csv", index=False)
+    shown = f.assign(interval=[f"{r:.3f} [{lo:.3f}, {hi:.3f}] at {lv:.4f}" for r, lo, hi, lv
+                               in zip(f["ratio"], f["lo"], f["hi"], f["level"])],
+                     target=["met" if w <= TARGET else "MISSED" for w in f["half_width"]],
+                     **{"direction at": f["direction_level"].map("{:.4f}".format)})
+    table = shown.round({"paper": 2})[["claim", "setting", "interval", "paper", "direction", "direction at", "size",
+                                       "seeds", "target"]]
+    return ["## Verdicts\n", VERDICTS_NOTE + "\n", markdown(table),
+            "\nHSDP ends with a higher perplexity than FSDP (paper 2.35): a tie by construction (one computation).\n"]
+
+
+def plan_quote() -> str:
+    plan = PLAN.read_text().splitlines() if PLAN.exists() else ["(not found: an installed analysis has no experiments/)"]
+    return "## The plan\n\n(quoted from experiments/paper_shape/PLAN.md)\n\n" + "\n".join("> " + line for line in plan)
+
+
+def rejudge(results: Path, paper: dict, command: str) -> Path:
+    """Re-derives findings.csv and report.md's verdicts and plan quotation from a report's runs.csv
+    (the per-run numbers; the rest of report.md, which needs the runs' records, is kept)."""
+    df = pd.read_csv(results / "runs.csv")
+    chosen, _ = chosen_lrs(tuning(df))
+    path = results / "report.md"
+    text = path.read_text()
+    if "## Verdicts\n" not in text or len(chosen) < len(ARMS):
+        raise SystemExit(f"analysis.paper_shape: {results} has no judged study to re-derive")
+    head = text[:text.index("## Verdicts\n")]
+    figure_line = [line for line in text.splitlines() if line.startswith("![")]
+    parts = [head.rstrip("\n") + "\n", *verdicts(df, chosen, paper, results),
+             f"Verdicts re-derived {date.today().isoformat()} from runs.csv by `{command}`.\n",
+             *[line + "\n" for line in figure_line], plan_quote()]
+    path.write_text("\n".join(parts) + "\n")
+    return path
+
+
 def report(df: pd.DataFrame, paper: dict, out: Path, command: str, elapsed: float | None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     df.drop(columns=["loss"]).sort_values(["phase", "algorithm", "lr", "seed"]).to_csv(out / "runs.csv", index=False)
@@ -205,36 +252,46 @@ def report(df: pd.DataFrame, paper: dict, out: Path, command: str, elapsed: floa
                   f"plan's amendment 1)." if n is not None else "Judging seeds: not yet known (pilot incomplete).",
                   ""]
     if len(chosen) == len(ARMS) and (df["phase"] == "judge").any():
-        f = findings(df, chosen, paper)
-        f.to_csv(out / "findings.csv", index=False)
-        shown = f.assign(interval=[f"{r:.3f} [{lo:.3f}, {hi:.3f}] at {lv:.4f}" for r, lo, hi, lv
-                                   in zip(f["ratio"], f["lo"], f["hi"], f["level"])],
-                         target=["met" if w <= TARGET else "MISSED" for w in f["half_width"]])
-        parts += ["## Verdicts\n", markdown(shown.round({"paper": 2})[["claim", "setting", "interval", "paper",
-                                                                     "direction", "size", "seeds", "target"]]),
-                  "\nHSDP ends with a higher perplexity than FSDP (paper 2.35): a tie by construction (one computation).\n"]
+        parts += verdicts(df, chosen, paper, out)
         figure(df, chosen, out)
         parts.append("![lr grid and judging seeds](figure.png)\n")
-    plan = PLAN.read_text().splitlines() if PLAN.exists() else ["(not found: an installed analysis has no experiments/)"]
-    parts.append(f"## The plan\n\n(quoted from experiments/paper_shape/PLAN.md; intervals at {LEVEL:.0%} before Holm)\n\n"
-                 + "\n".join("> " + line for line in plan))
+    parts.append(plan_quote())
     path = out / "report.md"
     path.write_text("\n".join(parts) + "\n")
     return path
 
 
+def _command(argv: list[str] | None) -> str:
+    # paths under the working directory shown relative to it: no machine's absolute path in a report
+    shown = [os.path.relpath(a) if os.path.isabs(a) and a.startswith(os.getcwd() + os.sep) else a
+             for a in (argv if argv is not None else sys.argv[1:])]
+    return "python -m analysis.paper_shape " + shlex.join(shown)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m analysis.paper_shape", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", metavar="RUNS")
+    parser.add_argument("runs", nargs="*", metavar="RUNS")
     parser.add_argument("--decide", action="store_true", help="print the plan's decisions as shell assignments")
     parser.add_argument("--seeds", type=int, default=None, help="with --decide: the judging seeds, fixed")
     parser.add_argument("--out", type=Path, help="directory for the report")
     parser.add_argument("--elapsed", type=float, default=None, help="the study's wall time [s]")
     parser.add_argument("--paper", default=None, help="paper values (default: analysis/paper_values.json)")
     parser.add_argument("--strict", action="store_true", help="exit 1 if any run had to be skipped")
+    parser.add_argument("--rejudge", type=Path, metavar="RESULTS",
+                        help="re-derive RESULTS/findings.csv and report.md's verdicts from RESULTS/runs.csv")
     add_allow_mixed(parser)
     args = parser.parse_args(argv)
+    if args.rejudge is not None:
+        if args.runs or args.decide or args.out:
+            parser.error("--rejudge RESULTS takes no RUNS, --decide or --out")
+        if not (args.rejudge / "runs.csv").is_file():
+            parser.error(f"--rejudge: no runs.csv in {args.rejudge}")
+        path = rejudge(args.rejudge, paper_values.load(args.paper), _command(argv))
+        print(f"analysis.paper_shape: wrote {path} and {args.rejudge / 'findings.csv'}")
+        return 0
+    if not args.runs:
+        parser.error("RUNS: at least one run directory")
     if not args.decide and args.out is None:
         parser.error("--out DIR, or --decide")
     runs, problems = collect_for("analysis.paper_shape", args.runs, args.allow_mixed)
@@ -244,11 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.decide:
         print("\n".join(decide(df, args.seeds, paper)))
         return 0
-    # paths under the working directory shown relative to it: no machine's absolute path in a report
-    shown = [os.path.relpath(a) if os.path.isabs(a) and a.startswith(os.getcwd() + os.sep) else a
-             for a in (argv if argv is not None else sys.argv[1:])]
-    command = "python -m analysis.paper_shape " + shlex.join(shown)
-    path = report(df, paper, args.out, command, args.elapsed)
+    path = report(df, paper, args.out, _command(argv), args.elapsed)
     print(f"analysis.paper_shape: {len(runs)} runs, {len(problems)} skipped; wrote {path}")
     return 1 if args.strict and problems else 0
 

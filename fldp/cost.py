@@ -21,6 +21,7 @@ modelled: the paper's B_n is a per-process bottleneck bandwidth, and so is this.
 from __future__ import annotations
 
 import math
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -207,6 +208,13 @@ class Prediction:
         return row
 
 
+def _fragments(streaming, names: list[str], keep: list[bool]) -> list[int]:
+    """Each parameter's fragment as the trainer deals them: over the federated parameters only
+    (a parameter left local gets -1, no fragment's)."""
+    dealt = iter(streaming.fragment_of([n for n, k in zip(names, keep) if k]))
+    return [next(dealt) if k else -1 for k in keep]
+
+
 def predict(units: Units, shape: MeshShape, bandwidth: dict[str, float], every=None,
             mode: str = "leader_broadcast", bucket_mb: float = 25.0,
             reshard_root_after_forward: bool = False, latency: dict[str, float] | None = None,
@@ -262,7 +270,7 @@ def predict(units: Units, shape: MeshShape, bandwidth: dict[str, float], every=N
     if aggregates:
         # FedAvg buckets the federated, non-empty local shards of each fragment by their own size,
         # then casts; a bucket never spans fragments
-        of = streaming.fragment_of(list(units.names)) if streaming.fragments > 1 else [0] * len(units.params)
+        of = _fragments(streaming, list(units.names), keep) if streaming.fragments > 1 else [0] * len(units.params)
         shards = units.local_shards(S, 0)
         for p in range(streaming.fragments):
             local = [b for b, k, f in zip(shards, keep, of) if k and b and f == p]
@@ -450,51 +458,104 @@ def table(cfg) -> list[dict]:
     return rows
 
 
-def _print_table(cfg, rows) -> None:
-    import pandas as pd
+def _number(x) -> str:
+    """4 significant digits; '-' for a value that does not apply."""
+    return "-" if x is None or x != x else f"{x:.4g}"
 
-    df = pd.DataFrame(rows).set_index("algorithm")
-    gb = 1e9
-    units_note = f"model={cfg.model.name} ({cfg.trainer.precision}), topology={cfg.topology.name}, A={cfg.algorithm.every or 8}"
-    print(f"Predicted communication per training step, per rank [{units_note}]\n")
-    show = pd.DataFrame({
-        "mesh FxRxS": df["mesh"],
-        "B_S/B_R/B_F Gb/s": [f"{a:g}/{b:g}/{c:g}" for a, b, c in
-                             zip(df.B_shard_gbit_s, df.B_replicate_gbit_s, df.B_federation_gbit_s)],
-        "paper shard": df.paper_shard_s, "paper repl": df.paper_replicate_s,
-        "paper fed+bc": df.paper_federation_s + df.paper_broadcast_s, "paper total": df.paper_total_s,
-        "exact shard": df.exact_shard_s, "exact repl": df.exact_replicate_s,
-        "exact fed+bc": df.exact_federation_s + df.exact_broadcast_s, "exact total": df.exact_total_s,
-        "exact/paper": df.exact_over_paper,
-        "GB shard": df.bytes_shard_per_step / gb, "GB repl": df.bytes_replicate_per_step / gb,
-        "GB fed": df.bytes_federation_per_step / gb,
-    })
-    if df.measured_step_s.notna().any():
-        show["paper Table 4 step"] = df.measured_step_s
+
+def _byte_unit(values) -> tuple[str, float]:
+    """The largest of GB, MB, kB, B in which the largest value is at least 1."""
+    top = max((v for v in values if v == v), default=0.0)
+    return next(((u, f) for u, f in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)) if top >= f), ("B", 1.0))
+
+
+def _table(title: str, columns: list[tuple[str, list]], rows) -> "rich.table.Table":  # noqa: F821
+    from rich import box
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    t.add_column("algorithm", no_wrap=True)
+    for header, _ in columns:
+        t.add_column(header, justify="right", overflow="fold", min_width=10)  # a number or "federation"
+    for i, row in enumerate(rows):
+        t.add_row(row["algorithm"], *[v[i] if isinstance(v[i], str) else _number(v[i]) for _, v in columns])
+    return t
+
+
+def _time_columns(rows, prefix: str) -> list[tuple[str, list]]:
+    def col(key): return [r[f"{prefix}_{key}_s"] for r in rows]  # noqa: E704
+    return [("shard [s]", col("shard")), ("replicate [s]", col("replicate")),
+            ("federation + broadcast [s]", [a + b for a, b in zip(col("federation"), col("broadcast"))]),
+            ("total [s]", col("total"))]
+
+
+INNERMOST_FIRST = tuple(reversed(DIMS))  # shard, replicate, federation: the time columns' order
+
+
+def tables(cfg, rows) -> list:
+    """fldp-cost's report as rich tables, each narrow enough for a 100-column terminal."""
+    mesh = [("mesh FxRxS", [r["mesh"] for r in rows]),
+            *[(f"B {d} [Gbit/s]", [r[f"B_{d}_gbit_s"] for r in rows]) for d in INNERMOST_FIRST],
+            ("aggregations / step", [r["aggregations_per_step"] for r in rows])]
+    if any(r["measured_step_s"] is not None for r in rows):
+        mesh.append(("paper's step [s]", [r["measured_step_s"] for r in rows]))
+    exact = _time_columns(rows, "exact") + [("exact / paper [x]", [r["exact_over_paper"] for r in rows])]
+    unit, scale = _byte_unit([r[f"bytes_{d}_per_step"] for r in rows for d in DIMS])
+    sent = [(f"{d} [{unit}]", [r[f"bytes_{d}_per_step"] / scale for r in rows]) for d in INNERMOST_FIRST]
     if (cfg.algorithm.get("streaming") or {}).get("fragments", 1) > 1:
-        show["peak share"] = df.peak_share  # the largest fragment's bytes / the whole model's
-    capped = df.gloo_capped_s.notna().any()
-    if capped:  # a netns topology: what gloo sends, and the part on the capped inter-node link
-        show["gloo total"], show["gloo on link"] = df.gloo_total_s, df.gloo_capped_s
-    print(show.to_string(float_format=lambda x: f"{x:.4g}"))
-    print("\nseconds per step (aggregations amortised over the run's steps); 'paper' = Eq. 1-5 as printed, "
-          "'exact' = bytes a ring collective sends per rank / B; GB = exact bytes sent per rank per step")
-    if "peak share" in show:
-        print("peak share = the largest streaming fragment's bytes per aggregation / the whole model's")
-    if capped:
-        print("B of a `link: node` tier = the node's link / the flows crossing it at once; 'gloo' = exact with "
-              "gloo's reduce-scatter (an all-reduce) and broadcast (flat), plus latency_ms per collective")
+        sent.append(("peak fragment share [fraction]", [r["peak_share"] for r in rows]))
+    out = [_table("Mesh and bandwidth per rank", mesh, rows),
+           _table("Communication time per training step, 'paper': Eq. 1-5 as printed", _time_columns(rows, "paper"),
+                  rows),
+           _table("Communication time per training step, 'exact': bytes a ring collective sends per rank / B",
+                  exact, rows)]
+    if any(r["gloo_capped_s"] is not None for r in rows):  # a netns topology
+        out.append(_table("Communication time per training step with gloo's collectives (see below)",
+                          [("total [s]", [r["gloo_total_s"] for r in rows]),
+                           ("on the capped link [s]", [r["gloo_capped_s"] for r in rows])], rows))
+    return out + [_table("Bytes sent per rank per training step ('exact')", sent, rows)]
+
+
+def _print_table(cfg, rows) -> None:
+    from rich.console import Console
+
+    console = Console(highlight=False, markup=False)  # "[s]" is a unit, not a style
+    console.print(f"fldp-cost: model={cfg.model.name} ({cfg.trainer.precision}), topology={cfg.topology.name}, "
+                  f"A={cfg.algorithm.every or 8}. Aggregations are amortised over the run's steps.\n")
+    for t in tables(cfg, rows):
+        console.print(t)
+    if any(r["measured_step_s"] is not None for r in rows):
+        console.print("paper's step: the whole training step the paper measured (its Table 4, overall).")
+    if (cfg.algorithm.get("streaming") or {}).get("fragments", 1) > 1:
+        console.print("peak fragment share: the largest streaming fragment's bytes per aggregation / the whole "
+                      "model's.")
+    if any(r["gloo_capped_s"] is not None for r in rows):
+        console.print("B of a `link: node` tier: the node's link / the flows crossing it at once. gloo: 'exact' "
+                      "with gloo's reduce-scatter (an all-reduce) and broadcast (flat), plus latency_ms per "
+                      "collective.")
+    console.print("--csv or --json: every number unrounded, one row per algorithm (docs/communication.md).")
+
+
+OUTPUTS = ("--json", "--csv")
+
+
+def _output_format(argv: list[str]) -> str:
+    """table, json or csv, taken out of argv (Hydra would refuse them); exit 2 on both."""
+    chosen = [a for a in argv if a in OUTPUTS]
+    if len(set(chosen)) > 1:
+        print("fldp-cost: --json and --csv exclude each other: choose one", file=sys.stderr)
+        raise SystemExit(2)
+    for a in chosen:
+        argv.remove(a)
+    return chosen[0].lstrip("-") if chosen else "table"
 
 
 def main() -> None:
     import json
-    import sys
 
     import hydra
 
-    as_json = "--json" in sys.argv
-    if as_json:
-        sys.argv.remove("--json")
+    output = _output_format(sys.argv)
     # a calculation, not a run: no output directory, no log file
     sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none",
                  "hydra/help=fldp_cost"]
@@ -504,8 +565,12 @@ def main() -> None:
     @hydra.main(config_path=str(CONF), config_name="config", version_base="1.3")
     def _run(cfg) -> None:
         rows = table(cfg)
-        if as_json:
+        if output == "json":
             print(json.dumps(rows, indent=2))
+        elif output == "csv":
+            import pandas as pd
+
+            print(pd.DataFrame(rows).to_csv(index=False), end="")
         else:
             _print_table(cfg, rows)
 

@@ -67,6 +67,11 @@ def test_fragments_and_overlap_on_a_hand_computed_example():
     p = predict(units, MeshShape(2, 1, 1), bw, every=4, steps=8, streaming=streaming)
     assert [f["federation"] for f in p.fragment_bytes] == [(100 + 30) * 4, 50 * 4]  # 520 and 200 bytes
     assert p.peak_aggregation_bytes == 520 and p.aggregation_bytes["federation"] == 720
+    # the layers alone federated: the trainer deals the fragments over the units it federates (layer 0
+    # in fragment 0, layer 1 in fragment 1); the root, left local, is in none
+    layers = predict(units, MeshShape(2, 1, 1), bw, every=4, steps=8, streaming=streaming,
+                     federated=[False, True, True])
+    assert [f["federation"] for f in layers.fragment_bytes] == [50 * 4, 30 * 4]
     assert p.fragment_seconds == [520 / 500, 200 / 500]
     # fragment 0 sent at 1, 5 and the last step, 8; fragment 1 at 3 and 7 (in flight at 8, merged
     # there): 520 x 3 + 200 x 2 bytes over 8 steps
@@ -212,7 +217,7 @@ def test_cost_cli_prints_table_and_json(tmp_path):
                                      "model=llama3_1_8b", *a], capture_output=True, text=True, cwd=tmp_path)
     text = run()
     assert text.returncode == 0, text.stderr[-2000:]
-    assert "paper Table 4 step" in text.stdout and "fl_hsdp" in text.stdout
+    assert "the paper measured (its Table 4" in text.stdout and "fl_hsdp" in text.stdout
     rows = {r["algorithm"]: r for r in json.loads(run("--json").stdout)}
     assert rows["fsdp"]["mesh"] == "1x1x512" and rows["fl_hsdp"]["mesh"] == "16x8x4"
     # (S-1) M vs (S-1) M / S on one tier (FSDP2 pads the 128,256-row embedding to a multiple of 512),

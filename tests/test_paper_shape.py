@@ -36,14 +36,15 @@ def test_direction_and_size_read_the_interval_not_the_mean():
     assert direction(two, 1.5) == "n/a (too few seeds)" and size(two, 1.5) == "n/a"  # every seed agrees: no verdict
 
 
-def test_judge_widens_intervals_by_holm():
+def test_judge_widens_intervals_for_the_family():
     seeds = range(8)
     b = pd.Series([100.0] * 8, index=seeds)
     noise = pd.Series([1.0, 1.02, 0.99, 1.01, 0.98, 1.03, 1.0, 0.97], index=seeds)
     claims = [Claim("strong", b * 1.5 * noise, b, 1.5), Claim("weak", b * 1.015 * noise, b, 1.5)]
     t = judge(claims).set_index("claim")
     alone = paired_ratio(b * 1.015 * noise, b)
-    assert t.loc["strong", "level"] == pytest.approx(1 - 0.05 / 2)
+    assert t.loc["strong", "level"] == pytest.approx(1 - 0.05 / 2) == t.loc["weak", "level"]  # Bonferroni
+    assert t.loc["strong", "direction_level"] == pytest.approx(1 - 0.05 / 2)  # Holm: ranked first of 2
     assert t.loc["weak", "hi"] - t.loc["weak", "lo"] >= alone.high - alone.low  # never narrower than 95%
     assert t.loc["strong", "direction"] == "reproduced" and t.loc["strong", "size"] == "paper's value inside"
 
@@ -95,3 +96,27 @@ def test_the_judging_seeds_are_capped_as_the_amendment_says():
     assert judging_seeds(pd.Series([3, 7])) == 10
     assert judging_seeds(pd.Series([12, 15])) == 15
     assert judging_seeds(pd.Series([528, 1272, 109])) == 20
+
+
+def test_rejudge_rederives_the_verdicts_from_runs_csv_at_the_simultaneous_level(tmp_path):
+    """--rejudge (issue 30): findings.csv and report.md's verdicts again from a report's runs.csv,
+    the shown intervals at the Bonferroni 1 - 0.05 / 4, the rest of report.md kept."""
+    from analysis.paper_shape import main
+
+    ppl = {"fsdp": 500.0, "fl_fsdp": 560.0, "fl_hsdp": 480.0}
+    jitter = [1.0, 1.03, 0.97, 1.02, 0.98]
+    rows = [("tune", a, s, lr, ppl[a] * (1 if lr == 1e-2 else 1.3)) for a in ppl for s in (100, 101)
+            for lr in (3e-3, 1e-2, 3e-2)]
+    rows += [("judge", a, s, 1e-2, ppl[a] * jitter[(s + len(a)) % 5]) for a in ppl for s in range(10)]
+    runs(rows).drop(columns=["loss"]).to_csv(tmp_path / "runs.csv", index=False)
+    (tmp_path / "report.md").write_text("# kept\n\n## Verdicts\n\nold table\n\n## The plan\n\n> old\n")
+    assert main(["--rejudge", str(tmp_path)]) == 0
+    f = pd.read_csv(tmp_path / "findings.csv")
+    assert len(f) == 8 and list(f["level"]) == pytest.approx([1 - 0.05 / 4] * 8)
+    assert sorted(f["direction_level"].head(4)) != [1 - 0.05 / 4] * 4  # Holm's step-down for the direction
+    text = (tmp_path / "report.md").read_text()
+    assert text.startswith("# kept\n") and "old table" not in text and "> old" not in text
+    assert "at 0.9875" in text and "The plan's amendment 2" in text
+    with pytest.raises(SystemExit) as exit_:
+        main(["--rejudge", str(tmp_path / "nothing")])
+    assert exit_.value.code == 2

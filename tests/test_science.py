@@ -116,7 +116,8 @@ def test_holm_and_the_plain_level():
     # 4 claims: marginal ranks 2nd of 4, judged at alpha / 3: its interval then reaches into the band
     family = judge([strong, marginal, Claim("null1", b * [1.1, 0.9, 1.0, 1.05, 0.95], b, 2.0),
                     Claim("null2", b * [0.9, 1.1, 1.0, 0.95, 1.05], b, 2.0)]).set_index("claim")
-    assert family.loc["marginal", "level"] == pytest.approx(1 - 0.05 / 3)
+    assert family.loc["marginal", "direction_level"] == pytest.approx(1 - 0.05 / 3)
+    assert family.loc["marginal", "level"] == pytest.approx(1 - 0.05 / 4)  # shown: Bonferroni, simultaneous
     assert family.loc["marginal", "direction"] == "inconclusive"
     assert family.loc["strong", "direction"] == "reproduced" and family.loc["strong", "size"] == "paper's value inside"
     assert family.loc["marginal", "size"] == "effect size refuted at this scale"  # 1.5 is far outside
@@ -132,7 +133,8 @@ def test_verdicts_on_synthetic_records():
     primary = found[found["family"] == "primary"].set_index("claim")
     # the primary family: the five perplexity claims at the shared lr, fp32, Holm-corrected together
     assert len(primary) == 5 and set(primary["setting"]) == {"fp32, shared lr 0.01"}
-    assert list(primary["level"]) == pytest.approx(holm_levels(list(primary["p"])))
+    assert list(primary["direction_level"]) == pytest.approx(holm_levels(list(primary["p"])))
+    assert list(primary["level"]) == pytest.approx([1 - 0.05 / 5] * 5)  # the shown intervals: simultaneous
     assert (primary["level"] > 0.95).all() and (found.loc[found["family"] == "exploratory", "level"] == 0.95).all()
     d = primary["direction"]
     assert d["FL+HSDP reaches a lower eval perplexity than HSDP"] == "reproduced"
