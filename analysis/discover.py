@@ -7,11 +7,12 @@ outside a run directory is refused, naming `wandb sync` and `wandb:ENTITY/PROJEC
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
 from .records import RecordError, Run, load_run_dir
-from .wandb_records import is_offline_folder, read_project
+from .wandb_records import filters, is_offline_folder, read_project
 
 WANDB_PREFIX = "wandb:"
 _SKIP = {"wandb", ".hydra", "__pycache__", ".git", ".venv"}
@@ -48,8 +49,9 @@ def _offline_run(folder: Path) -> Run:
                                    "FOLDER`) and report `wandb:ENTITY/PROJECT`, or name its run directory")
 
 
-def collect(args: list[str]) -> tuple[list[Run], list[str]]:
-    """Healthy runs, and one message per argument or run that could not be used."""
+def collect(args: list[str], query: dict | None = None) -> tuple[list[Run], list[str]]:
+    """Healthy runs, and one message per argument or run that could not be used; `query` selects
+    the runs of `wandb:` projects (wandb_records.filters)."""
     runs, problems = [], []
 
     def load(fn, path):
@@ -61,7 +63,7 @@ def collect(args: list[str]) -> tuple[list[Run], list[str]]:
     for arg in args:
         if arg.startswith(WANDB_PREFIX):
             try:
-                found, bad = read_project(arg[len(WANDB_PREFIX):])
+                found, bad = read_project(arg[len(WANDB_PREFIX):], query)
             except Exception as e:  # no network, no login, no such project
                 problems.append(f"{arg}: W&B public API failed: {e}")
                 continue
@@ -110,11 +112,35 @@ def add_allow_mixed(parser) -> None:
                         help="pool runs of different fldp commits (summary.json's commit); refused otherwise")
 
 
-def collect_for(prog: str, args: list[str], allow_mixed: bool = False) -> tuple[list[Run], list[str]]:
+def add_wandb_filters(parser) -> None:
+    """--group, --tag, --job-type, --commit: which runs of a `wandb:ENTITY/PROJECT` to read."""
+    group = parser.add_argument_group("runs read from W&B (wandb:ENTITY/PROJECT)")
+    group.add_argument("--group", help="only the runs of this W&B group (wandb.group; a sweep's name)")
+    group.add_argument("--tag", action="append", default=[], metavar="TAG",
+                       help="only runs with this tag, e.g. topology=local_4, A=8, F=2; repeat: runs with all")
+    group.add_argument("--job-type", help="only runs of this job type (the algorithm: fsdp, fl_fsdp, ...)")
+    group.add_argument("--commit", help="only runs of this fldp commit (the hash as runs record it, or its first 7+ characters)")
+
+
+def wandb_query(parser, args) -> dict:
+    """The W&B API query the filter options make; exit 2 (parser.error) for filters with no W&B project
+    to apply them to, or a commit that is not a hash."""
+    query = filters(args.group, args.tag, args.job_type, args.commit)
+    if query and not any(r.startswith(WANDB_PREFIX) for r in args.runs):
+        parser.error("--group, --tag, --job-type and --commit select runs of a W&B project: name one as "
+                     "wandb:ENTITY/PROJECT")
+    if args.commit and not re.fullmatch(r"[0-9a-f]{7,40}|[0-9a-f]{40}-dirty", args.commit):
+        parser.error(f"--commit {args.commit}: not a commit hash (7 to 40 of 0-9a-f, or all 40 and "
+                     f"'-dirty' for runs of changed files)")
+    return query
+
+
+def collect_for(prog: str, args: list[str], allow_mixed: bool = False,
+                query: dict | None = None) -> tuple[list[Run], list[str]]:
     """collect(), each unusable run named on stderr under the report's name. Runs of more than one
     commit (a dirty tree counts as its own) are refused, exit 2, unless allow_mixed: a comparison
     across code versions must be asked for."""
-    runs, problems = collect(args)
+    runs, problems = collect(args, query)
     for p in problems:
         print(f"{prog}: skipped {p}", file=sys.stderr)
     if not runs:

@@ -3,8 +3,9 @@ perplexity figure (PNG, PDF), the headline ratios and the paper's findings, repr
 from run records, beside the paper's published values; `report.md` gathers them.
 
 RUNS: run directories, directories holding them (a Hydra multirun), offline W&B run folders (read
-as their run directory), or `wandb:ENTITY/PROJECT` (online, public API). Unusable runs are named
-and skipped."""
+as their run directory), or `wandb:ENTITY/PROJECT` (online, public API; --group, --tag, --job-type
+and --commit select its runs). Unusable runs are named and skipped. A sweep over A and F also gets
+its A x F grids of step time and perplexity, and their heatmap."""
 from __future__ import annotations
 
 import datetime
@@ -16,8 +17,8 @@ from pathlib import Path
 import pandas as pd
 
 from . import claims, paper as paper_values, render, tables
-from .discover import collect_for, invoked_as, reports_parser
-from .figure import perplexity_figure, save
+from .discover import add_wandb_filters, collect_for, invoked_as, reports_parser, wandb_query
+from .figure import af_heatmap, perplexity_figure, plt, save
 from .records import Run
 from .stats import MIN_SEEDS, TIE_HIGH, TIE_LOW
 
@@ -123,8 +124,33 @@ def build(runs: list[Run], problems: list[str], out: Path, paper: dict, command:
     _write(report, "findings.md", findings_md)
 
     _write(report, "report.md", _report_md(report, paper, command, t3, md3, md4, ratio_md, findings_md,
-                                           found, notes))
+                                           found, notes) + _af_section(report))
     return report
+
+
+def _af_section(report: Report) -> str:
+    """A sweep over A and F: per configuration, A x F grids of the mean step time and the eval
+    perplexity (af.csv, af.md) and their heatmap (af_N.png/pdf); nothing without such a sweep."""
+    cells = tables.af_cells(report.runs)
+    if cells.empty:
+        return ""
+    _write(report, "af.csv", cells.to_csv(index=False))
+    lines = ["", "## A x F", "",
+             "Each cell: the mean across seeds of each run's mean step time [s] (over its training steps), and of "
+             "its eval perplexity; A: steps between aggregations, F: federated groups. Seeds per cell in `af.csv`.", ""]
+    for n, configuration in enumerate(dict.fromkeys(cells["configuration"]), 1):
+        lines += [f"### {configuration}", ""]
+        for value, title, decimals in (("step_time_s", "mean step time [s]", 4), ("eval_perplexity", "eval perplexity", 2)):
+            grid = tables.af_grid(cells, configuration, value)
+            shown = pd.DataFrame({"A": grid.index, **{f"F={f}": [f"{v:.{decimals}f}" if v == v else "" for v in grid[f]]
+                                                       for f in grid.columns}})
+            lines += [f"{title}:", "", render.markdown(shown)]
+        fig = af_heatmap(cells, configuration)
+        report.files += save(fig, report.out, f"af_{n}")
+        plt.close(fig)
+        lines += [f"![A x F: step time and perplexity](af_{n}.png)", ""]
+    _write(report, "af.md", "\n".join(lines[5:]))
+    return "\n".join(lines)
 
 
 def _network(summary: dict) -> str:
@@ -171,7 +197,8 @@ def _report_md(report, paper, command, t3, md3, md4, ratio_md, findings_md, foun
         + ", ".join(f"{n} {d}" for d, n in tally.items()) + f", of {len(primary)}. Each finding is a ratio "
         "the paper finds above 1, paired by seed (same seed = same initial weights and data order): the "
         "geometric mean of the per-seed ratios and a Student-t interval on the mean log ratio, at the level "
-        "in `level` (analysis/stats.py). *Direction*: reproduced when the interval lies beyond the tie band "
+        "in `level` (simultaneous: Bonferroni, 95% family-wise; analysis/stats.py). *Direction*: read from the "
+        "interval at Holm's step-down level (`direction_level`, never wider): reproduced when it lies beyond the tie band "
         f"({TIE_LOW:.3f}-{TIE_HIGH:.3f}) on the paper's side, opposite beyond it on the other, tie inside it, "
         "inconclusive reaching into it and out; *size*: whether the paper's own ratio lies inside the "
         f"interval. Fewer than {MIN_SEEDS} seeds give no verdict (n/a). The time findings are exploratory "
@@ -199,13 +226,16 @@ def _report_md(report, paper, command, t3, md3, md4, ratio_md, findings_md, foun
 
 def main(argv: list[str] | None = None) -> int:
     module = __spec__.name if __spec__ else "analysis.report"  # or fldp.analysis.report, installed
-    args = reports_parser(invoked_as(module, "fldp-report"), __doc__).parse_args(argv)
-    runs, problems = collect_for("analysis.report", args.runs, args.allow_mixed)
+    prog = invoked_as(module, "fldp-report")  # as the user typed it: fldp-report or python -m ...
+    parser = reports_parser(prog, __doc__)
+    add_wandb_filters(parser)
+    args = parser.parse_args(argv)
+    runs, problems = collect_for(prog, args.runs, args.allow_mixed, wandb_query(parser, args))
     if not runs:
         return 1
-    command = "python -m analysis.report " + shlex.join(argv if argv is not None else sys.argv[1:])
+    command = f"{prog} " + shlex.join(argv if argv is not None else sys.argv[1:])
     report = build(runs, problems, args.out, paper_values.load(args.paper), command)
-    print(f"analysis.report: {len(runs)} runs, {len(problems)} skipped; wrote "
+    print(f"{prog}: {len(runs)} runs, {len(problems)} skipped; wrote "
           + ", ".join(p.name for p in report.files) + f" in {args.out}")
     return 1 if args.strict and problems else 0
 

@@ -7,6 +7,8 @@ spread of the per-seed means. Standard deviations are sample ones (ddof=1): NaN 
 """
 from __future__ import annotations
 
+import json
+
 import pandas as pd
 
 from fldp.setting import flatten
@@ -17,37 +19,39 @@ NAMES = {"fsdp": "FSDP", "hsdp": "HSDP", "fl_fsdp": "FL+FSDP", "fl_hsdp": "FL+HS
 ORDER = list(NAMES)
 TABLE3 = ("train_perplexity", "train_time_s", "eval_perplexity", "eval_time_s")
 TABLE4 = (*PHASES, "overall")
-# Summary fields that are results, not setup (train_*, eval_*, times *_s; and the seed): they never
-# split configurations, including ones a later trainer adds under the same naming.
-def _is_result(key: str) -> bool:
-    return key == "seed" or key.startswith(("train_", "eval_")) or key.endswith("_s")
-
-# follow from other settings (schedule, aggregation_steps: from every and steps), or say where a run
-# came from, not what it computed (commit); never worth a label
-DERIVED = {"tokens", "world_size", "schedule", "aggregation_steps", "commit"}
+# The summary fields that record the setting (fldp.trainer.run_summary): what ran, on which mesh, model,
+# data and network, and by which executor. An include list: a summary also names where its records
+# went (W&B's run, the commit, the host) and, read from W&B, holds W&B's own keys (`_timestamp`,
+# `_runtime`, the last `train/*` values); none of those defines an experiment.
+SETTING_FIELDS = ("algorithm", "federation", "replicate", "shard", "every", "outer", "federate", "fragments",
+                  "fedavg_mode", "steps", "topology", "model", "dataset", "precision", "batch_size",
+                  "comm_emulated", "comm_scale", "executor", "network", "network_link")
+# what a sweep over A and F varies: the aggregation period and the mesh (F, and the R x S the
+# topology's ranks leave beside it)
+AF_KEYS = ("every", "federation", "replicate", "shard", "config.algorithm.every", "config.mesh.")
 
 
 def setup(run: Run) -> dict:
-    """Everything that defines the experiment except the seed."""
-    # outer -> outer.lr, ...; provenance (command, host, versions) is where it ran, not what
-    fixed = {k: v for k, v in flatten(run.summary).items() if not _is_result(k) and not k.startswith("provenance.")}
+    """What defines the experiment, less the seed: the config's defining keys (fldp.setting, as
+    `config.<key>`) and the summary's setting fields (outer -> outer.lr, ...)."""
+    fixed = flatten({k: run.summary[k] for k in SETTING_FIELDS if k in run.summary})
     return {**{f"config.{k}": v for k, v in run.config.items()}, **fixed}
 
 
-def labels(runs: list[Run]) -> list[str]:
+def labels(runs: list[Run], ignore: tuple[str, ...] = ()) -> list[str]:
     """The algorithm's name, plus the settings that tell its configurations apart when one
-    algorithm was run in more than one configuration."""
+    algorithm was run in more than one configuration; keys starting with one of `ignore` never do."""
     setups = [setup(r) for r in runs]
     out = []
     for run, mine in zip(runs, setups):
         others = [s for r, s in zip(runs, setups) if r.algorithm == run.algorithm]
         # a key only some runs have (records of an older version) is unknown, not a difference
-        differ = sorted(k for k in mine if k not in DERIVED and any(k in s and s[k] != mine[k] for s in others))
-        # a config key repeating a summary key (trainer.steps = steps, algorithm.outer.lr = outer.lr)
-        # is said once, by the summary
+        differ = sorted(k for k in mine if not k.startswith(ignore) and any(k in s and s[k] != mine[k] for s in others))
+        # a config key repeating a summary key (trainer.steps = steps, algorithm.outer.lr = outer.lr,
+        # dataset.name = dataset) is said once, by the summary
         short = {k for k in differ if not k.startswith("config.")}
         differ = [k for k in differ if not (k.startswith("config.") and any(
-            k == f"config.{x}" or k.endswith(f".{x}") for x in short))]
+            k in (f"config.{x}", f"config.{x}.name") or k.endswith(f".{x}") for x in short))]
         name = NAMES.get(run.algorithm, run.algorithm)
         detail = ", ".join(f"{k.removeprefix('config.')}={mine[k]}" for k in differ)
         out.append(f"{name} ({detail})" if differ else name)
@@ -128,3 +132,37 @@ def paper_table4(paper: dict) -> pd.DataFrame:
             row.update({f"{c}_mean": m, f"{c}_std": s})
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def _period(every) -> str:
+    """A as text: the period, or a schedule [[start, A], ...] as written."""
+    return str(every) if isinstance(every, int) else json.dumps(every)
+
+
+def af_cells(runs: list[Run]) -> pd.DataFrame:
+    """A sweep over A and F: one row per configuration (its label less A and the mesh), A and F, with
+    the seeds (runs) and the mean across them of each run's mean step time [s] and eval perplexity.
+    Only FL configurations run at more than one (A, F) are kept; empty when there are none."""
+    columns = ["configuration", "A", "F", "seeds", "step_time_s", "eval_perplexity"]
+    fl = [r for r in runs if r.summary.get("every") is not None and "federation" in r.summary]
+    if not fl:
+        return pd.DataFrame(columns=columns)
+    df = pd.DataFrame([{"configuration": family, "A": _period(run.summary["every"]),
+                        "F": int(run.summary["federation"]), "step_time_s": float(run.steps["time_step"].mean()),
+                        "eval_perplexity": float(run.summary["eval_perplexity"])}
+                       for run, family in zip(fl, labels(fl, ignore=AF_KEYS))])
+    g = df.groupby(["configuration", "A", "F"], sort=False)
+    out = g.agg(seeds=("step_time_s", "size"), step_time_s=("step_time_s", "mean"),
+                eval_perplexity=("eval_perplexity", "mean")).reset_index()
+    swept = out.groupby("configuration")["A"].transform("size") > 1
+    # numeric periods in numeric order, schedules after them
+    order = lambda a: a.map(lambda v: (0, int(v), "") if v.isdigit() else (1, 0, v))
+    out = out[swept].sort_values(["configuration", "A", "F"], key=lambda c: order(c) if c.name == "A" else c)
+    return out.reset_index(drop=True)[columns]
+
+
+def af_grid(cells: pd.DataFrame, configuration: str, value: str) -> pd.DataFrame:
+    """One configuration's cells as a grid: A down, F across (NaN where a pair was not run)."""
+    mine = cells[cells["configuration"] == configuration]
+    grid = mine.pivot(index="A", columns="F", values=value)
+    return grid.reindex(index=list(dict.fromkeys(mine["A"])), columns=sorted(mine["F"].unique()))

@@ -1,8 +1,9 @@
-"""`analysis/` on records of real short runs (4 algorithms x 2 seeds on local_2, one with an offline
-W&B run): every table cell against the records, seed aggregation, the figure files and lines, the
-LaTeX, the ratios and findings, broken runs named and skipped, and the W&B sources."""
+"""`analysis/` on records of real short runs (4 algorithms x 2 seeds on local_2, each with an offline
+W&B run, as users run them): every table cell against the records, seed aggregation, the figure files
+and lines, the LaTeX, the ratios and findings, broken runs named and skipped, and the W&B sources."""
 import json
 import math
+import re
 import shutil
 import statistics
 import subprocess
@@ -19,32 +20,38 @@ from analysis.records import RecordError, load_run_dir
 from analysis.report import build, main
 from analysis.stats import TOO_FEW
 from analysis.wandb_records import read_project
+import wandb_log
 from conftest import ROOT, compose_cfg, read_rows, train_world
 from fldp.records import PHASES
 
 ALGOS = ("fsdp", "hsdp", "fl_fsdp", "fl_hsdp")
 SEEDS = (0, 1)
 STEPS, EVERY = 4, 2
+GROUP = "analysis_sweep"  # the sweep's W&B group
 
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
     """A Hydra-multirun-like tree of real runs: <sweep>/<algorithm>_seed<N>/ with the records and
-    the run's config in .hydra/config.yaml, as `python -m fldp.train -m` leaves them."""
+    the run's config in .hydra/config.yaml, as `python -m fldp.train -m` leaves them; W&B offline,
+    the default (conftest's QUICK disables it: overridden here)."""
     import fldp.trainer  # noqa: F401  (imported once here, so the forked workers need not)
 
     root = tmp_path_factory.mktemp("sweep")
     for algo in ALGOS:
         for seed in SEEDS:
             extra = [f"algorithm.every={EVERY}"] if algo.startswith("fl_") else []
-            wandb = ["wandb.mode=offline"] if (algo, seed) == ("fl_fsdp", 0) else []
-            cfg = compose_cfg(f"algorithm={algo}", "topology=local_2", f"trainer.steps={STEPS}",
-                              f"seed={seed}", "trainer.eval_batches=2", *extra, *wandb)
-            run_dir = root / f"{algo}_seed{seed}"
-            (run_dir / ".hydra").mkdir(parents=True)
-            OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
-            train_world(cfg, run_dir)
+            train_run(root / f"{algo}_seed{seed}", f"algorithm={algo}", f"seed={seed}", *extra)
     return root
+
+
+def train_run(run_dir, *overrides):
+    """A run as the trainer writes it, W&B offline (the default), its config where Hydra puts it."""
+    cfg = compose_cfg("topology=local_2", f"trainer.steps={STEPS}", "trainer.eval_batches=2", *overrides,
+                      "wandb.mode=offline", f"wandb.group={GROUP}")
+    (run_dir / ".hydra").mkdir(parents=True)
+    OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
+    train_world(cfg, run_dir)
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +80,8 @@ def test_table3_cells_are_the_records_across_seeds(sweep, report):
             "eval_perplexity": [summary(d)["eval_perplexity"] for d in dirs],
             "eval_time_s": [summary(d)["eval_time_s"] for d in dirs],
         }
+        # each seed went to its own W&B run (offline, the default), and the seeds still pool
+        assert len({summary(d)["wandb"]["id"] for d in dirs if summary(d)["wandb"]["mode"] == "offline"}) == len(SEEDS)
         row = t3.loc[tables.NAMES[algo]]
         assert row["seeds"] == len(SEEDS)
         for metric, values in per_seed.items():
@@ -160,6 +169,96 @@ def test_figure_files_and_one_line_per_algorithm(sweep, report):
         ppl = [statistics.mean(rs[k]["perplexity"] for rs in rows) for k in range(STEPS)]
         assert list(line.get_xdata()) == pytest.approx(minutes)
         assert list(line.get_ydata()) == pytest.approx(ppl)
+
+
+def _many_configurations(sweep, n: int) -> list:
+    """n configurations of FL+FSDP with long labels: one real run each, its outer optimiser's settings
+    changed (labels only, the records are the run's)."""
+    import dataclasses
+
+    (run,) = collect([str(sweep / "fl_fsdp_seed0")])[0]
+    outer = {"name": "nesterov_momentum_with_a_long_name", "momentum": 0.9}
+    return [dataclasses.replace(run, name=f"{run.name}#{i}", summary={
+        **run.summary, "outer": {**outer, "lr": round(0.05 * (i + 1), 2), "note": "a long note " * (2 + i)}})
+        for i in range(n)]
+
+
+def test_figure_legend_below_the_axes_distinct_styles_plain_ticks(sweep, tmp_path):
+    """12 configurations with long labels: the legend sits below the axes, inside the figure, the layout is
+    applied (no warning) and keeps the y label, every line has its own colour, and log ticks read as
+    plain numbers."""
+    import warnings
+
+    from matplotlib.colors import to_hex
+
+    from analysis.figure import perplexity_figure, save
+
+    runs = _many_configurations(sweep, 12)
+    assert len(set(tables.labels(runs))) == 12 and max(map(len, tables.labels(runs))) > 150
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib's "constrained_layout not applied" is a UserWarning
+        fig = perplexity_figure(runs)
+        save(fig, tmp_path)
+        fig.canvas.draw()  # the layout at the figure's own dpi, which the sizes below are read at
+    renderer = fig.canvas.get_renderer()
+    ax, (legend,) = fig.axes[0], fig.legends
+    page = fig.bbox
+    box = legend.get_window_extent(renderer)
+    assert box.y1 <= ax.get_tightbbox(renderer).y0 + 1  # below the axes and their x label
+    assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0
+    ylabel = ax.yaxis.label
+    assert ylabel.get_text() == "training perplexity" and ylabel.get_window_extent(renderer).x0 >= page.x0
+    assert ax.get_window_extent(renderer).height > 0.3 * page.height  # the curves keep their room
+    lines = ax.get_lines()
+    assert len({to_hex(line.get_color()) for line in lines}) == 12
+    ticks = [t.get_text() for t in ax.get_yticklabels() + ax.get_yticklabels(minor=True) if t.get_text()]
+    assert ticks and all(re.fullmatch(r"\d+(\.\d+)?[kM]?", t) for t in ticks), ticks
+
+
+@pytest.mark.parametrize("value,text", [(4100, "4100"), (4050.5, "4050"), (35, "35"), (0.5, "0.5"),
+                                        (12345, "12.3k"), (41000, "41k"), (1.5e6, "1.5M")])
+def test_tick_labels_are_plain_numbers(value, text):
+    from analysis.figure import plain_number
+
+    assert plain_number(value) == text
+
+
+@pytest.fixture(scope="module")
+def af_sweep(sweep, tmp_path_factory):
+    """FL+FSDP on local_2 over A in {1, 2} and F in {1, 2} (F = 1: one group sharded over both ranks),
+    2 seeds each: the sweep's A = 2, F = 2 runs and six more."""
+    root = tmp_path_factory.mktemp("af")
+    for seed in SEEDS:
+        shutil.copytree(sweep / f"fl_fsdp_seed{seed}", root / f"A{EVERY}_F2_seed{seed}")
+        for every, federation in ((1, 1), (1, 2), (EVERY, 1)):
+            train_run(root / f"A{every}_F{federation}_seed{seed}", "algorithm=fl_fsdp", f"seed={seed}",
+                      f"algorithm.every={every}", f"mesh.federation={federation}", f"mesh.shard={2 // federation}")
+    return root
+
+
+def test_a_sweep_over_a_and_f_has_its_table_and_heatmap(af_sweep, report, tmp_path):
+    """Each A x F cell is the mean across seeds of each run's mean step time and its eval perplexity,
+    computed here from metrics.jsonl and summary.json; report.md shows the grids and the heatmap."""
+    runs, _ = collect([str(af_sweep)])
+    rep = build(runs, [], tmp_path, paper.load(), "test")
+    cells = pd.read_csv(tmp_path / "af.csv")
+    assert set(cells["configuration"]) == {"FL+FSDP"} and len(cells) == 4
+    text = (tmp_path / "report.md").read_text()
+    for every in (1, EVERY):
+        for federation in (1, 2):
+            dirs = [af_sweep / f"A{every}_F{federation}_seed{s}" for s in SEEDS]
+            step_time = statistics.mean(statistics.mean(r["time_step"] for r in read_rows(d)) for d in dirs)
+            ppl = statistics.mean(summary(d)["eval_perplexity"] for d in dirs)
+            assert {summary(d)["every"] for d in dirs} == {every} and {summary(d)["federation"] for d in dirs} == {federation}
+            cell = cells[(cells["A"] == every) & (cells["F"] == federation)].iloc[0]
+            assert cell["seeds"] == len(SEEDS)
+            assert cell["step_time_s"] == pytest.approx(step_time, rel=1e-12)
+            assert cell["eval_perplexity"] == pytest.approx(ppl, rel=1e-12)
+            assert f"{ppl:.2f}" in text.split("## A x F")[1]
+    assert "| A | F=1 | F=2 |" in text and "![A x F: step time and perplexity](af_1.png)" in text
+    assert (tmp_path / "af_1.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and rep.files
+    # one (A, F) only: no such section
+    assert "## A x F" not in (report.out / "report.md").read_text() and not (report.out / "af.csv").exists()
 
 
 @pytest.mark.parametrize("stem,columns", [("table3", 6), ("table4", 7)])
@@ -295,6 +394,7 @@ def test_broken_runs_are_named_and_skipped(sweep, tmp_path, capsys):
     for run, why in expected.items():
         assert f"skipped {run}: {why}" in proc.stderr, proc.stderr
         assert f"- {run}: {why}" in (out / "report.md").read_text()
+    assert f"by `python -m analysis.report {tree} --out {out}`." in (out / "report.md").read_text()
     t3 = pd.read_csv(out / "table3.csv")
     assert list(t3["label"]) == [tables.NAMES[a] for a in ALGOS] and (t3["seeds"] == 1).all()
 
@@ -333,37 +433,171 @@ def test_an_offline_wandb_folder_stands_for_its_run_directory(sweep, tmp_path):
     assert not runs and len(problems) == 1 and "wandb sync" in problems[0] and "wandb:ENTITY/PROJECT" in problems[0]
 
 
-def test_online_project_through_the_public_api(sweep, monkeypatch):
-    """The API itself needs network: a stand-in with its shape (runs, state, config, summary,
-    scan_history) checks what is made of it."""
+class Remote:
+    """One run as W&B's public API hands it out (wandb.apis.public.Run), made of what `wandb sync` would
+    send it: the run's offline log (tests/wandb_log.py). Its labels and config, one history row per step
+    (`_step`, `_runtime`, `_timestamp` and the logged keys, a step's eval merged into its row), and the
+    summary W&B's updates leave (W&B's keys, the last `train/*`, `eval/*` values, the fields
+    Recorder.finish passes), in W&B's own HTTPSummary: nested values are not dicts, `_wandb` is hidden
+    from keys(). `changes` make decoys: another group, or another commit."""
+
+    def __init__(self, run_dir: Path, state: str | None = None, group: str | None = None, commit: str | None = None,
+                 id_suffix: str = ""):
+        from types import SimpleNamespace
+
+        from wandb.apis.public.summary import HTTPSummary
+
+        (log,) = run_dir.glob("wandb/*-run-*/run-*.wandb")
+        records = wandb_log.records(log)
+        kinds = lambda kind: [getattr(r, kind) for r in records if r.WhichOneof("record_type") == kind]
+        (run,) = kinds("run")
+        self.id, self.name = run.run_id + id_suffix, run.display_name
+        self.group, self.job_type, self.tags = group or run.run_group, run.job_type, list(run.tags)
+        self.config = {k: v for k, v in _items(run.config.update).items() if not k.startswith("_wandb")}
+        for update in kinds("config"):
+            self.config.update(_items(update.update))
+        self._history = [_items(h.item) for h in kinds("history")]
+        merged = {}
+        for update in kinds("summary"):
+            for item in update.update:
+                *path, key = list(item.nested_key) or [item.key]
+                node = merged
+                for part in path:
+                    node = node.setdefault(part, {})
+                node[key] = json.loads(item.value_json)
+        if commit:
+            self.config["commit"] = merged["commit"] = commit
+        self.state = state or ("finished" if [e.exit_code for e in kinds("exit")] == [0] else "crashed")
+        self.summary = HTTPSummary(SimpleNamespace(dir=str(run_dir)), None, summary=merged)
+
+    def scan_history(self):
+        yield from (dict(row) for row in self._history)
+
+
+def _items(items) -> dict:
+    return {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items}
+
+
+def _field(remote: Remote, key: str):
+    if key.startswith("config."):
+        value = remote.config
+        for part in key.split(".")[1:]:
+            value = value.get(part) if isinstance(value, dict) else None
+        return value
+    return {"group": remote.group, "jobType": remote.job_type, "tags": remote.tags, "state": remote.state,
+            "display_name": remote.name}[key]  # an unknown field fails the test
+
+
+def _matches(remote: Remote, query: dict) -> bool:
+    """W&B's run filters (MongoDB syntax, as its docs give them): a list field matches when one of its
+    elements does."""
+    for key, condition in query.items():
+        if key in ("$and", "$or"):
+            found = [_matches(remote, q) for q in condition]
+            if not (all(found) if key == "$and" else any(found)):
+                return False
+            continue
+        value = _field(remote, key)
+        values = value if isinstance(value, list) else [value]
+        if not isinstance(condition, dict):
+            condition = {"$eq": condition}
+        for op, arg in condition.items():
+            ok = {"$eq": lambda: arg in values, "$in": lambda: any(v in arg for v in values),
+                  "$regex": lambda: any(isinstance(v, str) and re.search(arg, v) for v in values)}[op]()
+            if not ok:
+                return False
+    return True
+
+
+@pytest.fixture
+def wandb_project(monkeypatch):
+    """`wandb.Api()` answering for the project team/fldp with the given Remotes, filters applied."""
     import wandb
 
-    rows = read_rows(sweep / "hsdp_seed0")
-    evals = read_rows(sweep / "hsdp_seed0", "eval")
-
-    class Remote:
-        def __init__(self, rid, state, summary):
-            self.id, self.name, self.state, self.summary = rid, rid, state, summary
-            self.config = {"optimizer": {"lr": 3e-4}}
-
-        def scan_history(self):
-            for r in rows:
-                flat = {"_step": r["step"], **{f"train/{k}": v for k, v in r.items() if k != "step"}}
-                if r["step"] == STEPS:
-                    flat.update({f"eval/{k}": v for k, v in evals[-1].items() if k not in ("step", "split")})
-                yield flat
+    project = {"runs": [], "queries": []}
 
     class Api:
-        def runs(self, project):
-            assert project == "team/fldp"
-            return [Remote("ok", "finished", summary(sweep / "hsdp_seed0")), Remote("dead", "crashed", {})]
+        def runs(self, path, filters=None, **_):
+            assert path == "team/fldp"
+            project["queries"].append(filters)
+            return [r for r in project["runs"] if _matches(r, filters or {})]
 
     monkeypatch.setattr(wandb, "Api", Api)
+    return project
+
+
+def test_online_project_through_the_public_api(sweep, wandb_project):
+    """The API itself needs network: a stand-in with its shape checks what is made of it. Runs that
+    W&B summarises with its own keys (`_timestamp`, the last `train/*`) still pool by seed."""
+    wandb_project["runs"] += [Remote(sweep / f"fl_fsdp_seed{s}") for s in SEEDS]
+    wandb_project["runs"].append(Remote(sweep / "fsdp_seed0", state="crashed"))
     runs, problems = read_project("team/fldp")
-    assert [r.name for r in runs] == ["wandb:team/fldp/ok (ok)"]
-    assert list(runs[0].steps["time_step"]) == [r["time_step"] for r in rows]
-    assert problems == [f"wandb:team/fldp/dead (dead): no final W&B summary: the run did not finish "
-                        f"(crashed or still running) after step {STEPS}"]
+    assert [r.name for r in runs] == [f"wandb:team/fldp/{summary(sweep / f'fl_fsdp_seed{s}')['wandb']['id']} "
+                                      f"({summary(sweep / f'fl_fsdp_seed{s}')['wandb']['name']})" for s in SEEDS]
+    assert list(runs[0].steps["time_step"]) == [r["time_step"] for r in read_rows(sweep / "fl_fsdp_seed0")]
+    assert {"_timestamp", "_runtime", "_step", "train/perplexity", "eval/perplexity"} <= set(runs[0].summary)
+    assert runs[0].summary["outer"] == summary(sweep / "fl_fsdp_seed0")["outer"]  # a dict, as summary.json's
+    assert tables.labels(runs) == ["FL+FSDP", "FL+FSDP"]
+    crashed = summary(sweep / "fsdp_seed0")["wandb"]
+    assert problems == [f"wandb:team/fldp/{crashed['id']} ({crashed['name']}): no final W&B summary: the run "
+                        f"did not finish (crashed or still running) after step {STEPS}"]
+
+
+def test_a_wandb_project_alone_regenerates_the_tables_and_figure(sweep, report, wandb_project, tmp_path):
+    """A user with only the W&B project: `fldp-report wandb:ENTITY/PROJECT --group G --commit C` gives the
+    tables and figure the run directories give; another sweep's runs and another commit's are not read."""
+    from analysis.report import main as report_main
+
+    dirs = sorted(sweep.iterdir())
+    commit = summary(dirs[0])["commit"]
+    other_commit = "0" * 40
+    wandb_project["runs"] += [Remote(d) for d in dirs]
+    wandb_project["runs"] += [Remote(sweep / "fsdp_seed0", group="another_sweep", id_suffix="x"),
+                              Remote(sweep / "hsdp_seed0", id_suffix="y", commit=other_commit)]
+    out = tmp_path / "from_wandb"
+    assert report_main(["wandb:team/fldp", "--group", GROUP, "--commit", commit[:7], "--out", str(out)]) == 0
+    assert wandb_project["queries"][-1] == {"$and": [{"group": GROUP},
+                                                     {"config.commit": {"$regex": f"^{commit[:7]}"}}]}
+    for name in ("table3.csv", "table4.csv"):
+        pd.testing.assert_frame_equal(pd.read_csv(out / name), pd.read_csv(report.out / name))
+    assert (out / "figure2.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "Generated" in (out / "report.md").read_text()
+
+    # by tag and job type: the FL+FSDP runs, both seeds
+    only = tmp_path / "fl_fsdp"
+    assert report_main(["wandb:team/fldp", "--group", GROUP, "--tag", "topology=local_2", "--tag", f"A={EVERY}",
+                        "--job-type", "fl_fsdp", "--out", str(only)]) == 0
+    t3 = pd.read_csv(only / "table3.csv")
+    assert list(t3["label"]) == ["FL+FSDP"] and list(t3["seeds"]) == [len(SEEDS)]
+    # without the commit filter the other commit's run is read, and refused with the rest
+    with pytest.raises(SystemExit) as mixed:
+        report_main(["wandb:team/fldp", "--group", GROUP, "--out", str(tmp_path / "mixed")])
+    assert mixed.value.code == 2
+
+
+def test_wandb_filters_without_a_wandb_project_are_refused(sweep, tmp_path):
+    proc = subprocess.run([_installed("fldp-report"), str(sweep), "--group", GROUP, "--out", str(tmp_path / "r")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "wandb:ENTITY/PROJECT" in proc.stderr, proc.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def _installed(command: str) -> str:
+    """A console script of this environment's fldp (pip install -e .), as a user runs it."""
+    path = Path(sys.executable).parent / command
+    assert path.exists(), f"{command} is not installed in {path.parent}"
+    return str(path)
+
+
+def test_report_names_the_command_that_made_it(sweep, tmp_path):
+    """report.md says `fldp-report ...` when fldp-report made it (from a wheel `python -m
+    analysis.report` would fail), and `python -m analysis.report ...` when that did."""
+    out = tmp_path / "installed"
+    proc = subprocess.run([_installed("fldp-report"), str(sweep), "--out", str(out)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert f"by `fldp-report {sweep} --out {out}`." in (out / "report.md").read_text()
+    assert "constrained_layout not applied" not in proc.stderr, proc.stderr
 
 
 def test_report_says_which_fedavg_mode_ran(sweep, tmp_path):
