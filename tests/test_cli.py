@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli, read_rows
+from conftest import cli, compose_cfg, read_rows
 from fldp.records import CRITICAL_FIELDS, PHASES, STEP_FIELDS, TIME_FIELDS
 
 FAST = ["wandb.mode=disabled", "trainer.eval_batches=1"]
@@ -19,14 +19,21 @@ LAYOUTS = {
     "local_4": {"fsdp": (1, 1, 4), "hsdp": (1, 2, 2), "fl_fsdp": (2, 1, 2), "fl_hsdp": (2, 2, 1)},
     "local_8": {"fsdp": (1, 1, 8), "hsdp": (1, 2, 4), "fl_fsdp": (2, 1, 4), "fl_hsdp": (2, 2, 2)},
 }
-# a few cases also cover the other precision and the meta-device init path
-EXTRA = {("local_2", "fl_fsdp"): ["trainer.precision=bf16"], ("local_4", "hsdp"): ["trainer.precision=bf16"],
-         ("local_4", "fsdp"): ["model.init_device=meta"], ("local_8", "fl_fsdp"): ["model.init_device=meta"]}
+# one run per algorithm (tests/test_golden.py pins what each computes); a few also cover the other
+# precision and the meta-device init path
+RUNS = {"fsdp": ("local_4", ["model.init_device=meta"]), "hsdp": ("local_4", ["trainer.precision=bf16"]),
+        "fl_fsdp": ("local_2", ["trainer.precision=bf16"]), "fl_hsdp": ("local_8", ["model.init_device=meta"])}
 
 
 @pytest.mark.parametrize("topology,algorithm", [(t, a) for t in LAYOUTS for a in LAYOUTS[t]])
-def test_every_algorithm_on_every_local_topology(tmp_path, topology, algorithm):
-    extra = EXTRA.get((topology, algorithm), [])
+def test_every_algorithm_has_its_documented_layout_on_every_local_topology(topology, algorithm):
+    cfg = compose_cfg(f"algorithm={algorithm}", f"topology={topology}")
+    assert (cfg.mesh.federation, cfg.mesh.replicate, cfg.mesh.shard) == LAYOUTS[topology][algorithm]
+
+
+@pytest.mark.parametrize("algorithm", RUNS)
+def test_every_algorithm_runs_from_the_command_line(tmp_path, algorithm):
+    topology, extra = RUNS[algorithm]
     out = cli(f"algorithm={algorithm}", f"topology={topology}", "trainer.steps=2", *FAST, *extra,
               f"hydra.run.dir={tmp_path}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
