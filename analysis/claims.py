@@ -5,6 +5,7 @@ share the initial weights and data order) and judged by analysis/stats.py: the p
 perplexity claims are the primary family (simultaneous 95% intervals for the size, Holm's step-down
 for the direction); the time claims are exploratory (a plain 95% interval, not a finding). Each finding is also checked on the paper's own tables, so its definition
 is known to match the paper."""
+
 from __future__ import annotations
 
 import math
@@ -22,8 +23,7 @@ from .tables import NAMES, per_run
 METRIC_NAMES = {**HEADERS3, "step_time_s": "step time [s]"}
 # The paper's perplexity claims, (a, b) of an eval-perplexity ratio a / b it finds above 1 (Table 3):
 # b reaches the lower perplexity. The primary family of every study of the tiny reproduction.
-PPL_FINDINGS = [("hsdp", "fl_hsdp"), ("fsdp", "fl_hsdp"), ("fsdp", "fl_fsdp"), ("fl_fsdp", "fl_hsdp"),
-                ("hsdp", "fsdp")]
+PPL_FINDINGS = [("hsdp", "fl_hsdp"), ("fsdp", "fl_hsdp"), ("fsdp", "fl_fsdp"), ("fl_fsdp", "fl_hsdp"), ("hsdp", "fsdp")]
 
 
 def run_values(runs: list[Run]) -> tuple[pd.DataFrame, list[str]]:
@@ -34,8 +34,10 @@ def run_values(runs: list[Run]) -> tuple[pd.DataFrame, list[str]]:
     notes, keep = [], []
     for algo, g in df.groupby("algorithm"):
         if g["label"].nunique() > 1:
-            notes.append(f"{NAMES.get(algo, algo)} was run in {g['label'].nunique()} configurations "
-                         f"({'; '.join(sorted(g['label'].unique()))}): left out of the ratios and findings")
+            notes.append(
+                f"{NAMES.get(algo, algo)} was run in {g['label'].nunique()} configurations "
+                f"({'; '.join(sorted(g['label'].unique()))}): left out of the ratios and findings"
+            )
         else:
             keep.append(algo)
     return df[df["algorithm"].isin(keep)].reset_index(drop=True), notes
@@ -44,8 +46,12 @@ def run_values(runs: list[Run]) -> tuple[pd.DataFrame, list[str]]:
 def paper_values(paper: dict) -> pd.DataFrame:
     t3, t4 = paper["table3"], paper["table4"]
     overall = t4["columns"].index("overall")
-    return pd.DataFrame([{"algorithm": a, "seed": 0, **dict(zip(t3["columns"], vals)),
-                          "step_time_s": t4["mean"][a][overall]} for a, vals in t3["rows"].items()])
+    return pd.DataFrame(
+        [
+            {"algorithm": a, "seed": 0, **dict(zip(t3["columns"], vals)), "step_time_s": t4["mean"][a][overall]}
+            for a, vals in t3["rows"].items()
+        ]
+    )
 
 
 def _wide(values: pd.DataFrame, metric: str) -> pd.DataFrame:
@@ -76,15 +82,24 @@ def ratios(paper: dict, values: pd.DataFrame) -> pd.DataFrame:
     for r in paper["ratios"]:
         num, den, metric = r["numerator"], r["denominator"], r["metric"]
         runs = paired_ratio(*_paired(values, metric, num, den))
-        rows.append({"ratio": r["name"], "runs_ratio": runs.ratio, "runs_low": runs.low, "runs_high": runs.high,
-                     "seeds": runs.seeds, "paper_quoted": r["quoted"],
-                     "paper_table3": p.loc[num, metric] / p.loc[den, metric]})
+        rows.append(
+            {
+                "ratio": r["name"],
+                "runs_ratio": runs.ratio,
+                "runs_low": runs.low,
+                "runs_high": runs.high,
+                "seeds": runs.seeds,
+                "paper_quoted": r["quoted"],
+                "paper_table3": p.loc[num, metric] / p.loc[den, metric],
+            }
+        )
     return pd.DataFrame(rows)
 
 
 @dataclass(frozen=True)
 class Finding:
     """The paper finds metric(a) / metric(b) above 1."""
+
     claim: str
     metric: str
     a: str
@@ -92,17 +107,29 @@ class Finding:
 
 
 FINDINGS = tuple(
-    Finding(f"HSDP ends with a higher eval perplexity than FSDP (paper: 2.35x, though the two are "
-            "mathematically equivalent)" if (a, b) == ("hsdp", "fsdp") else
-            f"{NAMES[b]} reaches a lower eval perplexity than {NAMES[a]}", "eval_perplexity", a, b)
-    for a, b in PPL_FINDINGS)
+    Finding(
+        "HSDP ends with a higher eval perplexity than FSDP (paper: 2.35x, though the two are mathematically equivalent)"
+        if (a, b) == ("hsdp", "fsdp")
+        else f"{NAMES[b]} reaches a lower eval perplexity than {NAMES[a]}",
+        "eval_perplexity",
+        a,
+        b,
+    )
+    for a, b in PPL_FINDINGS
+)
 EXPLORATORY = (
-    *(Finding(f"FL+FSDP trains faster than {NAMES[a]}", "train_time_s", a, "fl_fsdp")
-      for a in ("fsdp", "hsdp", "fl_hsdp")),
-    *(Finding(f"FSDP's training step is slower than {NAMES[b]}'s (Table 4, overall)", "step_time_s", "fsdp", b)
-      for b in ("hsdp", "fl_fsdp", "fl_hsdp")),
-    *(Finding(f"FSDP's evaluation is slower than {NAMES[b]}'s", "eval_time_s", "fsdp", b)
-      for b in ("hsdp", "fl_fsdp", "fl_hsdp")),
+    *(
+        Finding(f"FL+FSDP trains faster than {NAMES[a]}", "train_time_s", a, "fl_fsdp")
+        for a in ("fsdp", "hsdp", "fl_hsdp")
+    ),
+    *(
+        Finding(f"FSDP's training step is slower than {NAMES[b]}'s (Table 4, overall)", "step_time_s", "fsdp", b)
+        for b in ("hsdp", "fl_fsdp", "fl_hsdp")
+    ),
+    *(
+        Finding(f"FSDP's evaluation is slower than {NAMES[b]}'s", "eval_time_s", "fsdp", b)
+        for b in ("hsdp", "fl_fsdp", "fl_hsdp")
+    ),
 )
 
 
@@ -113,23 +140,39 @@ def findings(paper: dict, values: pd.DataFrame, runs: list[Run]) -> pd.DataFrame
     p = paper_values(paper).set_index("algorithm")
 
     def claims(found):
-        return [Claim(f.claim, *_paired(values, f.metric, f.a, f.b), p.loc[f.a, f.metric] / p.loc[f.b, f.metric])
-                for f in found]
+        return [
+            Claim(f.claim, *_paired(values, f.metric, f.a, f.b), p.loc[f.a, f.metric] / p.loc[f.b, f.metric])
+            for f in found
+        ]
 
     frames = []
     for family, found, verdicts in (("primary", FINDINGS, judge), ("exploratory", EXPLORATORY, explore)):
         frame = verdicts(claims(found)).rename(columns={"claim": "finding"})
-        frames.append(frame.assign(family=family, metric=[METRIC_NAMES[f.metric] for f in found],
-                                   comparison=[f"{NAMES[f.a]} / {NAMES[f.b]}" for f in found],
-                                   runs=[f"{NAMES[f.a]} {_mean_std(values, f.metric, f.a)}; "
-                                         f"{NAMES[f.b]} {_mean_std(values, f.metric, f.b)}"
-                                         if len(values) and {f.a, f.b} <= set(values["algorithm"]) else ""
-                                         for f in found]))
+        frames.append(
+            frame.assign(
+                family=family,
+                metric=[METRIC_NAMES[f.metric] for f in found],
+                comparison=[f"{NAMES[f.a]} / {NAMES[f.b]}" for f in found],
+                runs=[
+                    f"{NAMES[f.a]} {_mean_std(values, f.metric, f.a)}; {NAMES[f.b]} {_mean_std(values, f.metric, f.b)}"
+                    if len(values) and {f.a, f.b} <= set(values["algorithm"])
+                    else ""
+                    for f in found
+                ],
+            )
+        )
     out = pd.concat(frames, ignore_index=True)
     text, detail = periodic_aggregation(runs)
-    check = {"family": "records check", "finding": "FL aggregates (and spends time on it) only every A steps "
-             "and at the last step; FSDP and HSDP never", "metric": "aggregation time", "comparison": "",
-             "runs": detail, "direction": text, "size": "", "paper": math.nan}
+    check = {
+        "family": "records check",
+        "finding": "FL aggregates (and spends time on it) only every A steps and at the last step; FSDP and HSDP never",
+        "metric": "aggregation time",
+        "comparison": "",
+        "runs": detail,
+        "direction": text,
+        "size": "",
+        "paper": math.nan,
+    }
     out = pd.concat([out, pd.DataFrame([check])], ignore_index=True)
     return out.astype({"seeds": "Int64"})  # the records check has none
 
@@ -137,8 +180,10 @@ def findings(paper: dict, values: pd.DataFrame, runs: list[Run]) -> pd.DataFrame
 def quote_notes(ratios: pd.DataFrame) -> list[str]:
     """Where the paper's text quotes a ratio its own Table 3 does not give (beyond rounding)."""
     off = ratios[(ratios["paper_quoted"] - ratios["paper_table3"]).abs() > 0.006]
-    return [f"the paper quotes {r.ratio} as {r.paper_quoted:.2f}, its own Table 3 gives {r.paper_table3:.2f}"
-            for r in off.itertuples()]
+    return [
+        f"the paper quotes {r.ratio} as {r.paper_quoted:.2f}, its own Table 3 gives {r.paper_table3:.2f}"
+        for r in off.itertuples()
+    ]
 
 
 def periodic_aggregation(runs: list[Run]) -> tuple[str, str]:
@@ -157,11 +202,15 @@ def periodic_aggregation(runs: list[Run]) -> tuple[str, str]:
         idle = t[~s["step"].isin(done)].max() if len(done) < len(s) else 0.0
         # every aggregating step costs more than any other step's (empty) aggregation phase
         if done != expected or (done and t[s["step"].isin(done)].min() <= idle):
-            bad.append(f"{run.name}: aggregated at steps {sorted(done)} (expected {sorted(expected)}); "
-                       f"largest aggregation time on another step {idle:.2g} s")
+            bad.append(
+                f"{run.name}: aggregated at steps {sorted(done)} (expected {sorted(expected)}); "
+                f"largest aggregation time on another step {idle:.2g} s"
+            )
     if not fl:
         return "not tested: no FL runs", ""
     if bad:
         return "fails", "; ".join(bad)
-    return "holds in every run", (f"in all {len(runs)} runs ({fl} with FL): aggregation on steps A, 2A, ... and "
-                          f"the last only, each costing more than any other step's aggregation phase")
+    return "holds in every run", (
+        f"in all {len(runs)} runs ({fl} with FL): aggregation on steps A, 2A, ... and "
+        f"the last only, each costing more than any other step's aggregation phase"
+    )

@@ -4,6 +4,7 @@ run directories (a Hydra multirun, `outputs/`), an offline W&B run folder, or `w
 A run directory's JSONL records are the source of truth: its `wandb/` folder is never read. An
 offline W&B folder stands for the run directory it sits in (RUN_DIR/wandb/offline-run-*); one
 outside a run directory is refused, naming `wandb sync` and `wandb:ENTITY/PROJECT`."""
+
 from __future__ import annotations
 
 import argparse
@@ -44,9 +45,12 @@ def _offline_run(folder: Path) -> Run:
     run_dir = folder.parent.parent
     if folder.parent.name == "wandb" and _is_run_dir(run_dir):
         return load_run_dir(run_dir)
-    raise RecordError(str(folder), "a W&B run folder outside an fldp run directory: reports read a run's "
-                                   "metrics.jsonl and summary.json, not W&B's log; upload it (`wandb sync "
-                                   "FOLDER`) and report `wandb:ENTITY/PROJECT`, or name its run directory")
+    raise RecordError(
+        str(folder),
+        "a W&B run folder outside an fldp run directory: reports read a run's "
+        "metrics.jsonl and summary.json, not W&B's log; upload it (`wandb sync "
+        "FOLDER`) and report `wandb:ENTITY/PROJECT`, or name its run directory",
+    )
 
 
 def collect(args: list[str], query: dict | None = None) -> tuple[list[Run], list[str]]:
@@ -63,7 +67,7 @@ def collect(args: list[str], query: dict | None = None) -> tuple[list[Run], list
     for arg in args:
         if arg.startswith(WANDB_PREFIX):
             try:
-                found, bad = read_project(arg[len(WANDB_PREFIX):], query)
+                found, bad = read_project(arg[len(WANDB_PREFIX) :], query)
             except Exception as e:  # no network, no login, no such project
                 problems.append(f"{arg}: W&B public API failed: {e}")
                 continue
@@ -84,8 +88,9 @@ def collect(args: list[str], query: dict | None = None) -> tuple[list[Run], list
             continue
         folders = _offline_folders(root)
         if not folders:
-            problems.append(f"{arg}: no run records (metrics.jsonl, summary.json, .hydra/ or a W&B "
-                            f"offline run) in this directory")
+            problems.append(
+                f"{arg}: no run records (metrics.jsonl, summary.json, .hydra/ or a W&B offline run) in this directory"
+            )
         for folder in folders:
             load(_offline_run, folder)
     return runs, problems
@@ -108,18 +113,28 @@ def reports_parser(prog: str, doc: str):
 
 
 def add_allow_mixed(parser) -> None:
-    parser.add_argument("--allow-mixed", action="store_true",
-                        help="pool runs of different fldp commits (summary.json's commit); refused otherwise")
+    parser.add_argument(
+        "--allow-mixed",
+        action="store_true",
+        help="pool runs of different fldp commits (summary.json's commit); refused otherwise",
+    )
 
 
 def add_wandb_filters(parser) -> None:
     """--group, --tag, --job-type, --commit: which runs of a `wandb:ENTITY/PROJECT` to read."""
     group = parser.add_argument_group("runs read from W&B (wandb:ENTITY/PROJECT)")
     group.add_argument("--group", help="only the runs of this W&B group (wandb.group; a sweep's name)")
-    group.add_argument("--tag", action="append", default=[], metavar="TAG",
-                       help="only runs with this tag, e.g. topology=local_4, A=8, F=2; repeat: runs with all")
+    group.add_argument(
+        "--tag",
+        action="append",
+        default=[],
+        metavar="TAG",
+        help="only runs with this tag, e.g. topology=local_4, A=8, F=2; repeat: runs with all",
+    )
     group.add_argument("--job-type", help="only runs of this job type (the algorithm: fsdp, fl_fsdp, ...)")
-    group.add_argument("--commit", help="only runs of this fldp commit (the hash as runs record it, or its first 7+ characters)")
+    group.add_argument(
+        "--commit", help="only runs of this fldp commit (the hash as runs record it, or its first 7+ characters)"
+    )
 
 
 def wandb_query(parser, args) -> dict:
@@ -127,16 +142,20 @@ def wandb_query(parser, args) -> dict:
     to apply them to, or a commit that is not a hash."""
     query = filters(args.group, args.tag, args.job_type, args.commit)
     if query and not any(r.startswith(WANDB_PREFIX) for r in args.runs):
-        parser.error("--group, --tag, --job-type and --commit select runs of a W&B project: name one as "
-                     "wandb:ENTITY/PROJECT")
+        parser.error(
+            "--group, --tag, --job-type and --commit select runs of a W&B project: name one as wandb:ENTITY/PROJECT"
+        )
     if args.commit and not re.fullmatch(r"[0-9a-f]{7,40}|[0-9a-f]{40}-dirty", args.commit):
-        parser.error(f"--commit {args.commit}: not a commit hash (7 to 40 of 0-9a-f, or all 40 and "
-                     f"'-dirty' for runs of changed files)")
+        parser.error(
+            f"--commit {args.commit}: not a commit hash (7 to 40 of 0-9a-f, or all 40 and "
+            f"'-dirty' for runs of changed files)"
+        )
     return query
 
 
-def collect_for(prog: str, args: list[str], allow_mixed: bool = False,
-                query: dict | None = None) -> tuple[list[Run], list[str]]:
+def collect_for(
+    prog: str, args: list[str], allow_mixed: bool = False, query: dict | None = None
+) -> tuple[list[Run], list[str]]:
     """collect(), each unusable run named on stderr under the report's name. Runs of more than one
     commit (a dirty tree counts as its own) are refused, exit 2, unless allow_mixed: a comparison
     across code versions must be asked for."""
@@ -148,8 +167,11 @@ def collect_for(prog: str, args: list[str], allow_mixed: bool = False,
     commits = commits_of(runs)
     if len(commits) > 1 and not allow_mixed:
         listed = "; ".join(f"{c} ({len(names)} runs, e.g. {names[0]})" for c, names in commits.items())
-        print(f"{prog}: the runs come from {len(commits)} commits: {listed}. Nothing written: pass "
-              f"--allow-mixed to report them together", file=sys.stderr)
+        print(
+            f"{prog}: the runs come from {len(commits)} commits: {listed}. Nothing written: pass "
+            f"--allow-mixed to report them together",
+            file=sys.stderr,
+        )
         raise SystemExit(2)
     return runs, problems
 
@@ -160,4 +182,3 @@ def commits_of(runs: list[Run]) -> dict[str, list[str]]:
     for run in runs:
         found.setdefault(run.summary.get("commit") or "unknown", []).append(run.name)
     return found
-

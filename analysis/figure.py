@@ -2,6 +2,7 @@
 configuration. Wall-clock is the cumulative sum of the recorded step times (the slowest rank's),
 so it leaves out start-up and evaluation, as the training time of Table 3 does. Seeds are averaged
 step by step (their clocks differ), with a band of ± one standard deviation of the perplexity."""
+
 from __future__ import annotations
 
 import textwrap
@@ -12,9 +13,9 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display on CI or a cluster node
 
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import FuncFormatter, LogFormatter  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogFormatter  # noqa: E402
 
 from .records import Run  # noqa: E402
 from .tables import _order, af_grid, labels  # noqa: E402
@@ -25,14 +26,28 @@ def curves(runs: list[Run]) -> pd.DataFrame:
     frames = []
     for run, label in zip(runs, labels(runs)):
         s = run.steps
-        frames.append(pd.DataFrame({"label": label, "seed": run.seed, "step": s["step"],
-                                    "minutes": s["time_step"].cumsum() / 60, "perplexity": s["perplexity"]}))
+        frames.append(
+            pd.DataFrame(
+                {
+                    "label": label,
+                    "seed": run.seed,
+                    "step": s["step"],
+                    "minutes": s["time_step"].cumsum() / 60,
+                    "perplexity": s["perplexity"],
+                }
+            )
+        )
     df = pd.concat(frames, ignore_index=True)
     g = df.groupby(["label", "step"], sort=False)
-    out = g.agg(minutes=("minutes", "mean"), perplexity=("perplexity", "mean"),
-                perplexity_std=("perplexity", "std"), seeds=("seed", "nunique")).reset_index()
-    return out.sort_values(["label", "step"], key=lambda c: c.map(_order) if c.name == "label" else c,
-                           ignore_index=True)
+    out = g.agg(
+        minutes=("minutes", "mean"),
+        perplexity=("perplexity", "mean"),
+        perplexity_std=("perplexity", "std"),
+        seeds=("seed", "nunique"),
+    ).reset_index()
+    return out.sort_values(
+        ["label", "step"], key=lambda c: c.map(_order) if c.name == "label" else c, ignore_index=True
+    )
 
 
 LINESTYLES = ("-", "--", ":", "-.")
@@ -44,8 +59,10 @@ def styles(n: int) -> list[dict]:
     """n line styles, all different: seaborn's palette up to 10 colours (it repeats after that),
     evenly spaced hues beyond, and line style and marker cycling so greys and neighbours stay apart."""
     colours = sns.color_palette(n_colors=n) if n <= 10 else sns.color_palette("husl", n)
-    return [{"color": colours[i], "linestyle": LINESTYLES[i % len(LINESTYLES)], "marker": MARKERS[i % len(MARKERS)]}
-            for i in range(n)]
+    return [
+        {"color": colours[i], "linestyle": LINESTYLES[i % len(LINESTYLES)], "marker": MARKERS[i % len(MARKERS)]}
+        for i in range(n)
+    ]
 
 
 def plain_number(value: float) -> str:
@@ -81,18 +98,26 @@ def perplexity_figure(runs: list[Run], title: str | None = None):
         # one line per configuration, the seed averaging done above: matplotlib only draws
         ax.plot(c["minutes"], c["perplexity"], label=_wrap(label), markersize=3, **style[label])
         if c["seeds"].max() > 1:
-            ax.fill_between(c["minutes"], (c["perplexity"] - c["perplexity_std"]).clip(lower=1),
-                            c["perplexity"] + c["perplexity_std"], color=style[label]["color"], alpha=0.2, lw=0)
+            ax.fill_between(
+                c["minutes"],
+                (c["perplexity"] - c["perplexity_std"]).clip(lower=1),
+                c["perplexity"] + c["perplexity_std"],
+                color=style[label]["color"],
+                alpha=0.2,
+                lw=0,
+            )
     ax.set_yscale("log")
     ax.yaxis.set_major_formatter(PlainLogFormatter())
     ax.yaxis.set_minor_formatter(PlainLogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
     ax.set_xlabel("wall-clock time [min] (sum of training step times)")
     ax.set_ylabel("training perplexity")
     seeds = int(data["seeds"].max())
-    ax.set_title(title or (f"Training perplexity, mean of {seeds} seeds (band: ± 1 std)" if seeds > 1
-                           else "Training perplexity"))
-    fig.legend(loc="outside lower center", ncols=2 if max(map(len, order)) <= LABEL_WIDTH // 2 - 5 else 1,
-               frameon=False)
+    ax.set_title(
+        title or (f"Training perplexity, mean of {seeds} seeds (band: ± 1 std)" if seeds > 1 else "Training perplexity")
+    )
+    fig.legend(
+        loc="outside lower center", ncols=2 if max(map(len, order)) <= LABEL_WIDTH // 2 - 5 else 1, frameon=False
+    )
     return fig
 
 
@@ -100,11 +125,18 @@ def af_heatmap(cells: pd.DataFrame, configuration: str):
     """A sweep over A and F: mean step time and eval perplexity of each (A, F), side by side."""
     sns.set_theme(style="white", context="paper")
     fig, axes = plt.subplots(1, 2, figsize=(9.0, 3.6), layout="constrained")
-    for ax, (value, title, fmt) in zip(axes, (("step_time_s", "mean step time [s]", ".3g"),
-                                              ("eval_perplexity", "eval perplexity", ".4g"))):
+    for ax, (value, title, fmt) in zip(
+        axes, (("step_time_s", "mean step time [s]", ".3g"), ("eval_perplexity", "eval perplexity", ".4g"))
+    ):
         grid = af_grid(cells, configuration, value)
-        sns.heatmap(grid, annot=True, fmt=fmt, cmap="viridis", ax=ax, cbar_kws={"format": FuncFormatter(
-            lambda v, _: plain_number(v))})
+        sns.heatmap(
+            grid,
+            annot=True,
+            fmt=fmt,
+            cmap="viridis",
+            ax=ax,
+            cbar_kws={"format": FuncFormatter(lambda v, _: plain_number(v))},
+        )
         ax.set_xlabel("F (federated groups)")
         ax.set_ylabel("A (steps between aggregations)")
         ax.set_title(title)

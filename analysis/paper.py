@@ -1,4 +1,5 @@
 """The paper's published numbers: the one place they are typed in is `paper_values.json`."""
+
 from __future__ import annotations
 
 import json

@@ -10,6 +10,7 @@ lr (`lr_ARM`), a grid extension where the best lr sits at an edge (`extend_ARM`)
 pilot has run, the judging seeds (`seeds`). The report: runs.csv (every run), tuning.csv,
 pilot.csv, findings.csv (the primary family at the chosen lrs, the secondary at the shared lr,
 judged by analysis.stats.judge), figure.png and report.md, which quotes the plan."""
+
 from __future__ import annotations
 
 import argparse
@@ -39,11 +40,13 @@ ARMS = ("fsdp", "fl_fsdp", "fl_hsdp")
 BASE_GRID = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 # the primary family: (claim, numerator, denominator) of an eval-perplexity ratio the paper finds
 # above 1; HSDP's runs are FSDP's (the same computation in the simulator)
-CLAIMS = (("FL+HSDP reaches a lower perplexity than HSDP", "hsdp", "fl_hsdp"),
-          ("FL+HSDP reaches a lower perplexity than FSDP", "fsdp", "fl_hsdp"),
-          ("FL+FSDP reaches a lower perplexity than FSDP", "fsdp", "fl_fsdp"),
-          ("FL+HSDP reaches a lower perplexity than FL+FSDP", "fl_fsdp", "fl_hsdp"))
-HALF_WIDTH, TARGET, MIN_SEEDS = 0.018, 0.02, 10   # the plan: N for +-1.8%, the target +-2%, N >= 10
+CLAIMS = (
+    ("FL+HSDP reaches a lower perplexity than HSDP", "hsdp", "fl_hsdp"),
+    ("FL+HSDP reaches a lower perplexity than FSDP", "fsdp", "fl_hsdp"),
+    ("FL+FSDP reaches a lower perplexity than FSDP", "fsdp", "fl_fsdp"),
+    ("FL+HSDP reaches a lower perplexity than FL+FSDP", "fl_fsdp", "fl_hsdp"),
+)
+HALF_WIDTH, TARGET, MIN_SEEDS = 0.018, 0.02, 10  # the plan: N for +-1.8%, the target +-2%, N >= 10
 MAX_SEEDS = 20  # the plan's amendment 1: at the pilot's SDs the rule asked for 109-1,272 seeds
 PHASES = ("tune", "hsdp", "pilot", "judge")
 
@@ -59,15 +62,27 @@ def frame(runs) -> pd.DataFrame:
     rows = []
     for run in runs:
         s = run.summary
-        rows.append({
-            "phase": phase_of(run.name), "algorithm": s["algorithm"], "seed": s["seed"],
-            "lr": float(run.config.get("optimizer.lr", math.nan)), "precision": s["precision"],
-            "F": s["federation"], "R": s["replicate"], "S": s["shard"],
-            "sequences_per_group": s["replicate"] * s["shard"] * s["batch_size"], "steps": s["steps"],
-            "A": s.get("every"), "eval_loss": s["eval_loss"], "eval_perplexity": s["eval_perplexity"],
-            "train_time_s": s["train_time_s"], "executor": s.get("executor", ""), "commit": s.get("commit", ""),
-            "loss": list(run.steps["loss"]),
-        })
+        rows.append(
+            {
+                "phase": phase_of(run.name),
+                "algorithm": s["algorithm"],
+                "seed": s["seed"],
+                "lr": float(run.config.get("optimizer.lr", math.nan)),
+                "precision": s["precision"],
+                "F": s["federation"],
+                "R": s["replicate"],
+                "S": s["shard"],
+                "sequences_per_group": s["replicate"] * s["shard"] * s["batch_size"],
+                "steps": s["steps"],
+                "A": s.get("every"),
+                "eval_loss": s["eval_loss"],
+                "eval_perplexity": s["eval_perplexity"],
+                "train_time_s": s["train_time_s"],
+                "executor": s.get("executor", ""),
+                "commit": s.get("commit", ""),
+                "loss": list(run.steps["loss"]),
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -108,8 +123,15 @@ def arm(df: pd.DataFrame, algorithm: str, lr: float, phase: str) -> pd.Series:
 
 
 def claims(df: pd.DataFrame, lrs: dict, phase: str, paper: dict) -> list[Claim]:
-    return [Claim(name, arm(df, num, lrs[num if num != "hsdp" else "fsdp"], phase),
-                  arm(df, den, lrs[den], phase), paper_ratio(paper, num, den)) for name, num, den in CLAIMS]
+    return [
+        Claim(
+            name,
+            arm(df, num, lrs[num if num != "hsdp" else "fsdp"], phase),
+            arm(df, den, lrs[den], phase),
+            paper_ratio(paper, num, den),
+        )
+        for name, num, den in CLAIMS
+    ]
 
 
 def pilot(df: pd.DataFrame, lrs: dict, paper: dict) -> pd.DataFrame:
@@ -142,8 +164,10 @@ def decide(df: pd.DataFrame, fixed_seeds: int | None, paper: dict) -> list[str]:
 def findings(df: pd.DataFrame, chosen: dict, paper: dict) -> pd.DataFrame:
     """The primary family (each arm at its chosen lr) and the secondary one (all at FSDP's lr)."""
     tables = []
-    for setting, lrs in (("each arm's chosen lr (primary)", chosen),
-                         (f"shared lr {chosen['fsdp']:g} (secondary)", {a: chosen["fsdp"] for a in ARMS})):
+    for setting, lrs in (
+        ("each arm's chosen lr (primary)", chosen),
+        (f"shared lr {chosen['fsdp']:g} (secondary)", {a: chosen["fsdp"] for a in ARMS}),
+    ):
         t = judge(claims(df, lrs, "judge", paper))
         t.insert(1, "setting", setting)
         t["half_width"] = (t["hi"] / t["ratio"]).map(lambda x: x - 1)
@@ -161,8 +185,10 @@ def hsdp_check(df: pd.DataFrame) -> str:
     if f.empty:
         return f"HSDP ran (seed {row['seed']}, lr {row['lr']:g}) but no FSDP run shares its seed and lr"
     same = f.iloc[0]["loss"] == row["loss"] and f.iloc[0]["eval_loss"] == row["eval_loss"]
-    return (f"HSDP seed {row['seed']}, lr {row['lr']:g}: every training loss and the eval loss "
-            f"{'identical to' if same else 'DIFFER from'} FSDP's")
+    return (
+        f"HSDP seed {row['seed']}, lr {row['lr']:g}: every training loss and the eval loss "
+        f"{'identical to' if same else 'DIFFER from'} FSDP's"
+    )
 
 
 def figure(df: pd.DataFrame, chosen: dict, out: Path) -> None:
@@ -172,8 +198,13 @@ def figure(df: pd.DataFrame, chosen: dict, out: Path) -> None:
         if a in table.index:
             row = table.loc[a].dropna()
             left.plot(row.index, row.values, marker="o", color=f"C{i}", label=NAMES.get(a, a))
-    left.set(xscale="log", yscale="log", xlabel="learning rate", ylabel="eval perplexity (geometric mean, tuning seeds)",
-             title="lr grid")
+    left.set(
+        xscale="log",
+        yscale="log",
+        xlabel="learning rate",
+        ylabel="eval perplexity (geometric mean, tuning seeds)",
+        title="lr grid",
+    )
     left.legend()
     judged = df[df["phase"] == "judge"]
     for i, a in enumerate(ARMS):
@@ -191,25 +222,37 @@ VERDICTS_NOTE = (
     f"{1 - 0.05 / len(CLAIMS):.2%} (Bonferroni), so that all {len(CLAIMS)} cover their true ratios together "
     "at least 95% of the time; the size verdict reads them. The direction "
     "reads the interval at the level Holm's step-down assigns the claim (`direction at`; never wider). "
-    "The plan's amendment 2.")
+    "The plan's amendment 2."
+)
 
 
 def verdicts(df: pd.DataFrame, chosen: dict, paper: dict, out: Path) -> list[str]:
     """The verdicts section of report.md; writes findings.csv."""
     f = findings(df, chosen, paper)
     f.to_csv(out / "findings.csv", index=False)
-    shown = f.assign(interval=[f"{r:.3f} [{lo:.3f}, {hi:.3f}] at {lv:.4f}" for r, lo, hi, lv
-                               in zip(f["ratio"], f["lo"], f["hi"], f["level"])],
-                     target=["met" if w <= TARGET else "MISSED" for w in f["half_width"]],
-                     **{"direction at": f["direction_level"].map("{:.4f}".format)})
-    table = shown.round({"paper": 2})[["claim", "setting", "interval", "paper", "direction", "direction at", "size",
-                                       "seeds", "target"]]
-    return ["## Verdicts\n", VERDICTS_NOTE + "\n", markdown(table),
-            "\nHSDP ends with a higher perplexity than FSDP (paper 2.35): a tie by construction (one computation).\n"]
+    shown = f.assign(
+        interval=[
+            f"{r:.3f} [{lo:.3f}, {hi:.3f}] at {lv:.4f}"
+            for r, lo, hi, lv in zip(f["ratio"], f["lo"], f["hi"], f["level"])
+        ],
+        target=["met" if w <= TARGET else "MISSED" for w in f["half_width"]],
+        **{"direction at": f["direction_level"].map("{:.4f}".format)},
+    )
+    table = shown.round({"paper": 2})[
+        ["claim", "setting", "interval", "paper", "direction", "direction at", "size", "seeds", "target"]
+    ]
+    return [
+        "## Verdicts\n",
+        VERDICTS_NOTE + "\n",
+        markdown(table),
+        "\nHSDP ends with a higher perplexity than FSDP (paper 2.35): a tie by construction (one computation).\n",
+    ]
 
 
 def plan_quote() -> str:
-    plan = PLAN.read_text().splitlines() if PLAN.exists() else ["(not found: an installed analysis has no experiments/)"]
+    plan = (
+        PLAN.read_text().splitlines() if PLAN.exists() else ["(not found: an installed analysis has no experiments/)"]
+    )
     return "## The plan\n\n(quoted from experiments/paper_shape/PLAN.md)\n\n" + "\n".join("> " + line for line in plan)
 
 
@@ -222,11 +265,15 @@ def rejudge(results: Path, paper: dict, command: str) -> Path:
     text = path.read_text()
     if "## Verdicts\n" not in text or len(chosen) < len(ARMS):
         raise SystemExit(f"analysis.paper_shape: {results} has no judged study to re-derive")
-    head = text[:text.index("## Verdicts\n")]
+    head = text[: text.index("## Verdicts\n")]
     figure_line = [line for line in text.splitlines() if line.startswith("![")]
-    parts = [head.rstrip("\n") + "\n", *verdicts(df, chosen, paper, results),
-             f"Verdicts re-derived {date.today().isoformat()} from runs.csv by `{command}`.\n",
-             *[line + "\n" for line in figure_line], plan_quote()]
+    parts = [
+        head.rstrip("\n") + "\n",
+        *verdicts(df, chosen, paper, results),
+        f"Verdicts re-derived {date.today().isoformat()} from runs.csv by `{command}`.\n",
+        *[line + "\n" for line in figure_line],
+        plan_quote(),
+    ]
     path.write_text("\n".join(parts) + "\n")
     return path
 
@@ -237,20 +284,32 @@ def report(df: pd.DataFrame, paper: dict, out: Path, command: str, elapsed: floa
     table = tuning(df)
     table.to_csv(out / "tuning.csv")
     chosen, extend = chosen_lrs(table)
-    parts = [f"# The paper-shape study\n\n`{command}`"
-             + (f"; runs took {elapsed / 60:.1f} min" if elapsed else "") + f". {len(df)} runs.\n",
-             "## Learning rate (tuning seeds)\n", markdown(table.round(1).reset_index()),
-             "\nChosen: " + ", ".join(f"{NAMES.get(a, a)} {lr:g}" for a, lr in chosen.items())
-             + (f"; still at a grid edge: {', '.join(extend)}" if extend else "") + "\n",
-             f"## HSDP\n\n{hsdp_check(df)}.\n"]
+    parts = [
+        f"# The paper-shape study\n\n`{command}`"
+        + (f"; runs took {elapsed / 60:.1f} min" if elapsed else "")
+        + f". {len(df)} runs.\n",
+        "## Learning rate (tuning seeds)\n",
+        markdown(table.round(1).reset_index()),
+        "\nChosen: "
+        + ", ".join(f"{NAMES.get(a, a)} {lr:g}" for a, lr in chosen.items())
+        + (f"; still at a grid edge: {', '.join(extend)}" if extend else "")
+        + "\n",
+        f"## HSDP\n\n{hsdp_check(df)}.\n",
+    ]
     if len(chosen) == len(ARMS) and (df["phase"] == "pilot").any():
         p = pilot(df, chosen, paper)
         p.to_csv(out / "pilot.csv", index=False)
         n = judging_seeds(p["seeds_needed"]) if p["seeds_needed"].notna().all() else None
-        parts += ["## Pilot: the seeds the plan asks for\n", markdown(p.round({"sd_log": 4})), "",
-                  f"Judging seeds N = {n} (the largest need, at least {MIN_SEEDS}, at most {MAX_SEEDS}: the "
-                  f"plan's amendment 1)." if n is not None else "Judging seeds: not yet known (pilot incomplete).",
-                  ""]
+        parts += [
+            "## Pilot: the seeds the plan asks for\n",
+            markdown(p.round({"sd_log": 4})),
+            "",
+            f"Judging seeds N = {n} (the largest need, at least {MIN_SEEDS}, at most {MAX_SEEDS}: the "
+            f"plan's amendment 1)."
+            if n is not None
+            else "Judging seeds: not yet known (pilot incomplete).",
+            "",
+        ]
     if len(chosen) == len(ARMS) and (df["phase"] == "judge").any():
         parts += verdicts(df, chosen, paper, out)
         figure(df, chosen, out)
@@ -263,14 +322,17 @@ def report(df: pd.DataFrame, paper: dict, out: Path, command: str, elapsed: floa
 
 def _command(argv: list[str] | None) -> str:
     # paths under the working directory shown relative to it: no machine's absolute path in a report
-    shown = [os.path.relpath(a) if os.path.isabs(a) and a.startswith(os.getcwd() + os.sep) else a
-             for a in (argv if argv is not None else sys.argv[1:])]
+    shown = [
+        os.path.relpath(a) if os.path.isabs(a) and a.startswith(os.getcwd() + os.sep) else a
+        for a in (argv if argv is not None else sys.argv[1:])
+    ]
     return "python -m analysis.paper_shape " + shlex.join(shown)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m analysis.paper_shape", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m analysis.paper_shape", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("runs", nargs="*", metavar="RUNS")
     parser.add_argument("--decide", action="store_true", help="print the plan's decisions as shell assignments")
     parser.add_argument("--seeds", type=int, default=None, help="with --decide: the judging seeds, fixed")
@@ -278,8 +340,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--elapsed", type=float, default=None, help="the study's wall time [s]")
     parser.add_argument("--paper", default=None, help="paper values (default: analysis/paper_values.json)")
     parser.add_argument("--strict", action="store_true", help="exit 1 if any run had to be skipped")
-    parser.add_argument("--rejudge", type=Path, metavar="RESULTS",
-                        help="re-derive RESULTS/findings.csv and report.md's verdicts from RESULTS/runs.csv")
+    parser.add_argument(
+        "--rejudge",
+        type=Path,
+        metavar="RESULTS",
+        help="re-derive RESULTS/findings.csv and report.md's verdicts from RESULTS/runs.csv",
+    )
     add_allow_mixed(parser)
     args = parser.parse_args(argv)
     if args.rejudge is not None:

@@ -1,5 +1,6 @@
 """One run's records, checked, as pandas frames: `metrics.jsonl` + `summary.json` (+ the Hydra
 config, for the hyper-parameters). W&B sources build the same `Run` through `make_run`."""
+
 from __future__ import annotations
 
 import json
@@ -24,9 +25,9 @@ class RecordError(Exception):
 
 @dataclass
 class Run:
-    name: str                 # how messages and tables name it (its directory, or W&B path)
+    name: str  # how messages and tables name it (its directory, or W&B path)
     summary: dict
-    steps: pd.DataFrame       # one training row per step, in step order
+    steps: pd.DataFrame  # one training row per step, in step order
     config: dict = field(default_factory=dict)  # flattened setup (hyper-parameters), may be empty
     source: str = "jsonl"
 
@@ -44,12 +45,21 @@ def setup_of(config: dict) -> dict:
     cluster, paths or the byte meter), from a (possibly unresolved) config."""
     # an unresolved interpolation ("${topology.precision}") says nothing about the value: the
     # summary holds the resolved ones that matter
-    return {k: (json.dumps(v) if isinstance(v, list) else v) for k, v in defining(config).items()
-            if not (isinstance(v, str) and "${" in v)}
+    return {
+        k: (json.dumps(v) if isinstance(v, list) else v)
+        for k, v in defining(config).items()
+        if not (isinstance(v, str) and "${" in v)
+    }
 
 
-def make_run(name: str, summary: dict | None, rows: list[dict], config: dict | None = None,
-             source: str = "jsonl", summary_name: str = "summary.json") -> Run:
+def make_run(
+    name: str,
+    summary: dict | None,
+    rows: list[dict],
+    config: dict | None = None,
+    source: str = "jsonl",
+    summary_name: str = "summary.json",
+) -> Run:
     """Check one run's records and build a Run; RecordError names the run and what is wrong."""
     train = [r for r in rows if r.get("split", "train") == "train"]
     if not train:
@@ -65,14 +75,16 @@ def make_run(name: str, summary: dict | None, rows: list[dict], config: dict | N
     steps = steps.sort_values("step", ignore_index=True)
     last = int(steps["step"].iloc[-1])
     if summary is None:
-        raise RecordError(name, f"no {summary_name}: the run did not finish (crashed or still running) "
-                                f"after step {last}")
+        raise RecordError(
+            name, f"no {summary_name}: the run did not finish (crashed or still running) after step {last}"
+        )
     missing = [f for f in SUMMARY_FIELDS if f not in summary]
     if missing:
         raise RecordError(name, f"summary lacks {', '.join(missing)}")
     if list(steps["step"]) != list(range(1, summary["steps"] + 1)):
-        raise RecordError(name, f"summary says {summary['steps']} steps but the metrics hold steps "
-                                f"{_span(steps['step'])}")
+        raise RecordError(
+            name, f"summary says {summary['steps']} steps but the metrics hold steps {_span(steps['step'])}"
+        )
     return Run(name, summary, steps, setup_of(config or {}), source)
 
 
@@ -90,7 +102,7 @@ def _read_json_lines(name: str, path: Path) -> list[dict]:
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
-            raise RecordError(name, f"metrics.jsonl line {n} is not valid JSON (a run killed mid-write?)")
+            raise RecordError(name, f"metrics.jsonl line {n} is not valid JSON (a run killed mid-write?)") from None
     if not rows:
         raise RecordError(name, "metrics.jsonl is empty")
     return rows
@@ -115,5 +127,5 @@ def load_run_dir(run_dir: Path, name: str | None = None) -> Run:
         try:
             summary = json.loads((run_dir / "summary.json").read_text())
         except json.JSONDecodeError:
-            raise RecordError(name, "summary.json is not valid JSON")
+            raise RecordError(name, "summary.json is not valid JSON") from None
     return make_run(name, summary, rows, _read_config(run_dir))

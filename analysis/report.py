@@ -6,6 +6,7 @@ RUNS: run directories, directories holding them (a Hydra multirun), offline W&B 
 as their run directory), or `wandb:ENTITY/PROJECT` (online, public API; --group, --tag, --job-type
 and --commit select its runs). Unusable runs are named and skipped. A sweep over A and F also gets
 its A x F grids of step time and perplexity, and their heatmap."""
+
 from __future__ import annotations
 
 import datetime
@@ -16,15 +17,28 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import claims, paper as paper_values, render, tables
+from . import claims, render, tables
+from . import paper as paper_values
 from .discover import add_wandb_filters, collect_for, invoked_as, reports_parser, wandb_query
 from .figure import af_heatmap, perplexity_figure, plt, save
 from .records import Run
 from .stats import MIN_SEEDS, TIE_HIGH, TIE_LOW
 
 # Summary/config keys that differ between algorithms by design (they ARE the algorithm).
-_ALGORITHM_KEYS = ("algorithm", "federation", "replicate", "shard", "every", "schedule", "aggregation_steps",
-                   "fedavg_mode", "outer", "federate", "fragments", "config.algorithm.")
+_ALGORITHM_KEYS = (
+    "algorithm",
+    "federation",
+    "replicate",
+    "shard",
+    "every",
+    "schedule",
+    "aggregation_steps",
+    "fedavg_mode",
+    "outer",
+    "federate",
+    "fragments",
+    "config.algorithm.",
+)
 
 
 @dataclass
@@ -56,12 +70,12 @@ def shared_setup(runs: list[Run]) -> dict[str, list]:
     return differ
 
 
-def _table_files(report: Report, stem: str, numeric: pd.DataFrame, headers: dict, decimals: int,
-                 caption: str) -> str:
+def _table_files(report: Report, stem: str, numeric: pd.DataFrame, headers: dict, decimals: int, caption: str) -> str:
     md = render.markdown(render.cells(numeric, headers, decimals))
     _write(report, f"{stem}.md", md)
-    _write(report, f"{stem}.tex", render.latex(render.cells(numeric, headers, decimals, tex=True),
-                                               caption, f"tab:{stem}"))
+    _write(
+        report, f"{stem}.tex", render.latex(render.cells(numeric, headers, decimals, tex=True), caption, f"tab:{stem}")
+    )
     _write(report, f"{stem}.csv", numeric.to_csv(index=False))
     return md
 
@@ -73,14 +87,17 @@ def _interval(ratio: float, low: float, high: float, seeds: int, decimals: int =
 
 
 def _ratio_md(df: pd.DataFrame) -> str:
-    show = pd.DataFrame({
-        "ratio": df["ratio"],
-        "runs (paired by seed) [95% CI]": [_interval(*v) for v in zip(df["runs_ratio"], df["runs_low"],
-                                                                      df["runs_high"], df["seeds"])],
-        "seeds": df["seeds"],
-        "paper (quoted)": df["paper_quoted"].map("{:.2f}".format),
-        "paper (from Table 3)": df["paper_table3"].map("{:.2f}".format),
-    })
+    show = pd.DataFrame(
+        {
+            "ratio": df["ratio"],
+            "runs (paired by seed) [95% CI]": [
+                _interval(*v) for v in zip(df["runs_ratio"], df["runs_low"], df["runs_high"], df["seeds"])
+            ],
+            "seeds": df["seeds"],
+            "paper (quoted)": df["paper_quoted"].map("{:.2f}".format),
+            "paper (from Table 3)": df["paper_table3"].map("{:.2f}".format),
+        }
+    )
     return render.markdown(show)
 
 
@@ -89,21 +106,38 @@ def _findings_md(found: pd.DataFrame) -> str:
         paper=[f"{v:.2f}" if v == v else "" for v in found["paper"]],
         level=[f"{v:.2%}" if v == v else "" for v in found["level"]],
         seeds=found["seeds"].astype("string").fillna(""),
-        **{"runs [CI]": [_interval(r.ratio, r.lo, r.hi, r.seeds, 3) if r.comparison else r.runs
-                         for r in found.itertuples()]})
-    return render.markdown(show[["family", "finding", "comparison", "paper", "runs [CI]", "level", "direction",
-                                 "size", "seeds"]])
+        **{
+            "runs [CI]": [
+                _interval(r.ratio, r.lo, r.hi, r.seeds, 3) if r.comparison else r.runs for r in found.itertuples()
+            ]
+        },
+    )
+    return render.markdown(
+        show[["family", "finding", "comparison", "paper", "runs [CI]", "level", "direction", "size", "seeds"]]
+    )
 
 
 def build(runs: list[Run], problems: list[str], out: Path, paper: dict, command: str) -> Report:
     out.mkdir(parents=True, exist_ok=True)
     report = Report(out, runs, problems)
     t3, t4 = tables.table3(runs), tables.table4(runs)
-    md3 = _table_files(report, "table3", t3, render.HEADERS3, 2,
-                       "Training and evaluation perplexity and time per algorithm (mean and std across seeds)")
-    md4 = _table_files(report, "table4", t4, render.HEADERS4, 3,
-                       "Per-step training time by phase [s], mean and std over steps (seeds pooled); "
-                       "in brackets: std across seeds of the per-seed mean")
+    md3 = _table_files(
+        report,
+        "table3",
+        t3,
+        render.HEADERS3,
+        2,
+        "Training and evaluation perplexity and time per algorithm (mean and std across seeds)",
+    )
+    md4 = _table_files(
+        report,
+        "table4",
+        t4,
+        render.HEADERS4,
+        3,
+        "Per-step training time by phase [s], mean and std over steps (seeds pooled); "
+        "in brackets: std across seeds of the per-seed mean",
+    )
     _write(report, "runs.csv", tables.per_run(runs).to_csv(index=False))  # one row per run
 
     report.figure = perplexity_figure(runs)
@@ -123,8 +157,11 @@ def build(runs: list[Run], problems: list[str], out: Path, paper: dict, command:
     findings_md = _findings_md(found)
     _write(report, "findings.md", findings_md)
 
-    _write(report, "report.md", _report_md(report, paper, command, t3, md3, md4, ratio_md, findings_md,
-                                           found, notes) + _af_section(report))
+    _write(
+        report,
+        "report.md",
+        _report_md(report, paper, command, t3, md3, md4, ratio_md, findings_md, found, notes) + _af_section(report),
+    )
     return report
 
 
@@ -135,15 +172,27 @@ def _af_section(report: Report) -> str:
     if cells.empty:
         return ""
     _write(report, "af.csv", cells.to_csv(index=False))
-    lines = ["", "## A x F", "",
-             "Each cell: the mean across seeds of each run's mean step time [s] (over its training steps), and of "
-             "its eval perplexity; A: steps between aggregations, F: federated groups. Seeds per cell in `af.csv`.", ""]
+    lines = [
+        "",
+        "## A x F",
+        "",
+        "Each cell: the mean across seeds of each run's mean step time [s] (over its training steps), and of "
+        "its eval perplexity; A: steps between aggregations, F: federated groups. Seeds per cell in `af.csv`.",
+        "",
+    ]
     for n, configuration in enumerate(dict.fromkeys(cells["configuration"]), 1):
         lines += [f"### {configuration}", ""]
-        for value, title, decimals in (("step_time_s", "mean step time [s]", 4), ("eval_perplexity", "eval perplexity", 2)):
+        for value, title, decimals in (
+            ("step_time_s", "mean step time [s]", 4),
+            ("eval_perplexity", "eval perplexity", 2),
+        ):
             grid = tables.af_grid(cells, configuration, value)
-            shown = pd.DataFrame({"A": grid.index, **{f"F={f}": [f"{v:.{decimals}f}" if v == v else "" for v in grid[f]]
-                                                       for f in grid.columns}})
+            shown = pd.DataFrame(
+                {
+                    "A": grid.index,
+                    **{f"F={f}": [f"{v:.{decimals}f}" if v == v else "" for v in grid[f]] for f in grid.columns},
+                }
+            )
             lines += [f"{title}:", "", render.markdown(shown)]
         fig = af_heatmap(cells, configuration)
         report.files += save(fig, report.out, f"af_{n}")
@@ -157,8 +206,11 @@ def _network(summary: dict) -> str:
     """summary["network"]: netns (emulated nodes and their capped links), loopback, sleep (comm.emulate)."""
     link = summary.get("network_link") or {}
     if summary.get("network") == "netns":
-        return (f"netns, {link['nodes']} emulated nodes x {link['procs_per_node']} ranks, each node's link "
-                f"capped at {link['mbit_s']:g} Mbit/s each way" + (f", {link['delay_ms']:g} ms delay" if link["delay_ms"] else ""))
+        return (
+            f"netns, {link['nodes']} emulated nodes x {link['procs_per_node']} ranks, each node's link "
+            f"capped at {link['mbit_s']:g} Mbit/s each way"
+            + (f", {link['delay_ms']:g} ms delay" if link["delay_ms"] else "")
+        )
     return summary.get("network", "not recorded (older records)")
 
 
@@ -166,8 +218,11 @@ def _report_md(report, paper, command, t3, md3, md4, ratio_md, findings_md, foun
     runs = report.runs
     seeds = ", ".join(f"{row.label} {row.seeds}" for row in t3.itertuples())
     differ = shared_setup(runs)
-    setup_line = ("identical in every run, apart from the algorithm and its mesh" if not differ else
-                  "NOT identical: " + "; ".join(f"`{k}` takes {', '.join(v)}" for k, v in differ.items()))
+    setup_line = (
+        "identical in every run, apart from the algorithm and its mesh"
+        if not differ
+        else "NOT identical: " + "; ".join(f"`{k}` takes {', '.join(v)}" for k, v in differ.items())
+    )
     first = runs[0].summary
     primary = found[found["family"] == "primary"]
     tally = primary["direction"].value_counts()
@@ -185,16 +240,21 @@ def _report_md(report, paper, command, t3, md3, md4, ratio_md, findings_md, foun
     ]
     modes = sorted({f"{r.summary['fedavg_mode']} ({r.algorithm})" for r in runs if r.summary.get("fedavg_mode")})
     if modes:  # FL+HSDP's aggregation traffic depends on it (paper.md: Eq. 5 vs the authors' code)
-        lines += [f"FedAvg mode of the runs with replicas: {', '.join(modes)}. The paper's Table 4 "
-                  "FL+HSDP times ran `all_replicas` (the authors' code); Eq. 5 models `leader_broadcast`.", ""]
+        lines += [
+            f"FedAvg mode of the runs with replicas: {', '.join(modes)}. The paper's Table 4 "
+            "FL+HSDP times ran `all_replicas` (the authors' code); Eq. 5 models `leader_broadcast`.",
+            "",
+        ]
     if report.problems:
         lines += ["Skipped runs:", ""] + [f"- {p}" for p in report.problems] + [""]
     if notes:
         lines += ["Notes:", ""] + [f"- {n}" for n in notes] + [""]
     lines += [
-        "## Findings of the paper: reproduced or not", "",
+        "## Findings of the paper: reproduced or not",
+        "",
         "Primary family (the paper's five perplexity claims, judged together with Holm's step-down): "
-        + ", ".join(f"{n} {d}" for d, n in tally.items()) + f", of {len(primary)}. Each finding is a ratio "
+        + ", ".join(f"{n} {d}" for d, n in tally.items())
+        + f", of {len(primary)}. Each finding is a ratio "
         "the paper finds above 1, paired by seed (same seed = same initial weights and data order): the "
         "geometric mean of the per-seed ratios and a Student-t interval on the mean log ratio, at the level "
         "in `level` (simultaneous: Bonferroni, 95% family-wise; analysis/stats.py). *Direction*: read from the "
@@ -203,23 +263,42 @@ def _report_md(report, paper, command, t3, md3, md4, ratio_md, findings_md, foun
         "inconclusive reaching into it and out; *size*: whether the paper's own ratio lies inside the "
         f"interval. Fewer than {MIN_SEEDS} seeds give no verdict (n/a). The time findings are exploratory "
         "(a plain 95% interval each, no correction for the number of comparisons): shown, not findings. "
-        "The records check reads every run's aggregation steps: a property of the code, not a statistic.", "",
-        findings_md, "",
-        "## Headline ratios", "", ratio_md,
+        "The records check reads every run's aggregation steps: a property of the code, not a statistic.",
+        "",
+        findings_md,
+        "",
+        "## Headline ratios",
+        "",
+        ratio_md,
         "Runs: the geometric mean of the per-seed ratios and its 95% interval, described (the verdicts "
         "are the findings above).",
-        "", "## Table 3", "", md3,
+        "",
+        "## Table 3",
+        "",
+        md3,
         "Train perplexity: the last step's; train time: the sum of the step times; eval perplexity and "
-        "time: `summary.json`. Cells: mean ± std across seeds (std omitted for one seed).", "",
-        "Paper (512 GPUs, Llama 3.1 8B):", "",
-        render.markdown(render.cells(tables.paper_table3(paper), render.HEADERS3, 2)), "",
-        "## Table 4", "", md4,
+        "time: `summary.json`. Cells: mean ± std across seeds (std omitted for one seed).",
+        "",
+        "Paper (512 GPUs, Llama 3.1 8B):",
+        "",
+        render.markdown(render.cells(tables.paper_table3(paper), render.HEADERS3, 2)),
+        "",
+        "## Table 4",
+        "",
+        md4,
         "Seconds per training step; mean ± std over all steps of all seeds; in brackets the std "
-        "across seeds of the per-seed mean.", "",
-        "Paper:", "",
-        render.markdown(render.cells(tables.paper_table4(paper), render.HEADERS4, 2)), "",
-        "## Figure 2", "", "![training perplexity against wall-clock minutes](figure2.png)", "",
-        "Paper's Figure 2: " + paper["figure2"], "",
+        "across seeds of the per-seed mean.",
+        "",
+        "Paper:",
+        "",
+        render.markdown(render.cells(tables.paper_table4(paper), render.HEADERS4, 2)),
+        "",
+        "## Figure 2",
+        "",
+        "![training perplexity against wall-clock minutes](figure2.png)",
+        "",
+        "Paper's Figure 2: " + paper["figure2"],
+        "",
     ]
     return "\n".join(lines)
 
@@ -235,8 +314,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     command = f"{prog} " + shlex.join(argv if argv is not None else sys.argv[1:])
     report = build(runs, problems, args.out, paper_values.load(args.paper), command)
-    print(f"{prog}: {len(runs)} runs, {len(problems)} skipped; wrote "
-          + ", ".join(p.name for p in report.files) + f" in {args.out}")
+    print(
+        f"{prog}: {len(runs)} runs, {len(problems)} skipped; wrote "
+        + ", ".join(p.name for p in report.files)
+        + f" in {args.out}"
+    )
     return 1 if args.strict and problems else 0
 
 

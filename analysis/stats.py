@@ -16,6 +16,7 @@ so that all m cover their true ratios together at least 1 - alpha of the time (9
 levels guarantee the rejections, not the intervals' joint coverage (issue 30: 91% in a simulation of
 4 large effects), so they judge only the direction. `explore` gives the same columns at the plain
 level, for comparisons that are not findings."""
+
 from __future__ import annotations
 
 import math
@@ -43,6 +44,7 @@ def t_quantile(p: float, df: int) -> float:
 class Ratio:
     """a / b over paired seeds: the geometric mean of the per-seed ratios and its interval (at
     `level`); `p`: the paired t-test's two-sided p-value for a / b = 1; `sd`: of the log ratios."""
+
     ratio: float
     low: float
     high: float
@@ -108,10 +110,12 @@ def t_half_width(sd, n: int, level):
 
 # --- verdicts on a family of claims -----------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Claim:
     """A claim of the paper as a ratio a / b of a metric over paired seeds (lower perplexity: the
     worse algorithm on top), with the paper's own value of that ratio (> 1: a above b)."""
+
     name: str
     a: pd.Series
     b: pd.Series
@@ -163,18 +167,46 @@ def family_levels(p_values: list[float], alpha: float = 1 - LEVEL) -> tuple[list
     return simultaneous_levels(len(p_values), alpha), holm_levels(p_values, alpha)
 
 
-COLUMNS = ["claim", "ratio", "lo", "hi", "level", "paper", "direction", "size", "seeds", "p", "sd_log",
-           "direction_level", "direction_lo", "direction_hi"]
+COLUMNS = [
+    "claim",
+    "ratio",
+    "lo",
+    "hi",
+    "level",
+    "paper",
+    "direction",
+    "size",
+    "seeds",
+    "p",
+    "sd_log",
+    "direction_level",
+    "direction_lo",
+    "direction_hi",
+]
 
 
 def _rows(claims: list[Claim], levels: list[float], direction_levels: list[float]) -> pd.DataFrame:
     rows = []
     for c, level, direction_level in zip(claims, levels, direction_levels):
         shown, judged = paired_ratio(c.a, c.b, level), paired_ratio(c.a, c.b, direction_level)
-        rows.append({"claim": c.name, "ratio": shown.ratio, "lo": shown.low, "hi": shown.high, "level": level,
-                     "paper": c.paper, "direction": direction(judged, c.paper), "size": size(shown, c.paper),
-                     "seeds": shown.seeds, "p": shown.p, "sd_log": shown.sd, "direction_level": direction_level,
-                     "direction_lo": judged.low, "direction_hi": judged.high})
+        rows.append(
+            {
+                "claim": c.name,
+                "ratio": shown.ratio,
+                "lo": shown.low,
+                "hi": shown.high,
+                "level": level,
+                "paper": c.paper,
+                "direction": direction(judged, c.paper),
+                "size": size(shown, c.paper),
+                "seeds": shown.seeds,
+                "p": shown.p,
+                "sd_log": shown.sd,
+                "direction_level": direction_level,
+                "direction_lo": judged.low,
+                "direction_hi": judged.high,
+            }
+        )
     return pd.DataFrame(rows, columns=COLUMNS)
 
 

@@ -5,6 +5,7 @@ standard deviation across seeds of each run's value. Table 4 cells are the paper
 and standard deviation over training steps, with the steps of all seeds pooled; `*_seed_std` is the
 spread of the per-seed means. Standard deviations are sample ones (ddof=1): NaN for a single value.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,9 +24,28 @@ TABLE4 = (*PHASES, "overall")
 # data and network, and by which executor. An include list: a summary also names where its records
 # went (W&B's run, the commit, the host) and, read from W&B, holds W&B's own keys (`_timestamp`,
 # `_runtime`, the last `train/*` values); none of those defines an experiment.
-SETTING_FIELDS = ("algorithm", "federation", "replicate", "shard", "every", "outer", "federate", "fragments",
-                  "fedavg_mode", "steps", "topology", "model", "dataset", "precision", "batch_size",
-                  "comm_emulated", "comm_scale", "executor", "network", "network_link")
+SETTING_FIELDS = (
+    "algorithm",
+    "federation",
+    "replicate",
+    "shard",
+    "every",
+    "outer",
+    "federate",
+    "fragments",
+    "fedavg_mode",
+    "steps",
+    "topology",
+    "model",
+    "dataset",
+    "precision",
+    "batch_size",
+    "comm_emulated",
+    "comm_scale",
+    "executor",
+    "network",
+    "network_link",
+)
 # what a sweep over A and F varies: the aggregation period and the mesh (F, and the R x S the
 # topology's ranks leave beside it)
 AF_KEYS = ("every", "federation", "replicate", "shard", "config.algorithm.every", "config.mesh.")
@@ -50,8 +70,14 @@ def labels(runs: list[Run], ignore: tuple[str, ...] = ()) -> list[str]:
         # a config key repeating a summary key (trainer.steps = steps, algorithm.outer.lr = outer.lr,
         # dataset.name = dataset) is said once, by the summary
         short = {k for k in differ if not k.startswith("config.")}
-        differ = [k for k in differ if not (k.startswith("config.") and any(
-            k in (f"config.{x}", f"config.{x}.name") or k.endswith(f".{x}") for x in short))]
+        differ = [
+            k
+            for k in differ
+            if not (
+                k.startswith("config.")
+                and any(k in (f"config.{x}", f"config.{x}.name") or k.endswith(f".{x}") for x in short)
+            )
+        ]
         name = NAMES.get(run.algorithm, run.algorithm)
         detail = ", ".join(f"{k.removeprefix('config.')}={mine[k]}" for k in differ)
         out.append(f"{name} ({detail})" if differ else name)
@@ -68,12 +94,20 @@ def per_run(runs: list[Run]) -> pd.DataFrame:
     rows = []
     for run, label in zip(runs, labels(runs)):
         s = run.steps
-        rows.append({"label": label, "algorithm": run.algorithm, "seed": run.seed, "run": run.name,
-                     "steps": len(s), "train_perplexity": float(s["perplexity"].iloc[-1]),
-                     "train_time_s": float(s["time_step"].sum()),
-                     "eval_perplexity": float(run.summary["eval_perplexity"]),
-                     "eval_time_s": float(run.summary["eval_time_s"]),
-                     "commit": run.summary.get("commit") or ""})
+        rows.append(
+            {
+                "label": label,
+                "algorithm": run.algorithm,
+                "seed": run.seed,
+                "run": run.name,
+                "steps": len(s),
+                "train_perplexity": float(s["perplexity"].iloc[-1]),
+                "train_time_s": float(s["time_step"].sum()),
+                "eval_perplexity": float(run.summary["eval_perplexity"]),
+                "eval_time_s": float(run.summary["eval_time_s"]),
+                "commit": run.summary.get("commit") or "",
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -82,8 +116,18 @@ def step_times(runs: list[Run]) -> pd.DataFrame:
     frames = []
     for run, label in zip(runs, labels(runs)):
         s = run.steps
-        frames.append(pd.DataFrame({"label": label, "seed": run.seed, "run": run.name, "step": s["step"],
-                                    **{p: s[f"time_{p}"] for p in PHASES}, "overall": s["time_step"]}))
+        frames.append(
+            pd.DataFrame(
+                {
+                    "label": label,
+                    "seed": run.seed,
+                    "run": run.name,
+                    "step": s["step"],
+                    **{p: s[f"time_{p}"] for p in PHASES},
+                    "overall": s["time_step"],
+                }
+            )
+        )
     return pd.concat(frames, ignore_index=True)
 
 
@@ -118,8 +162,10 @@ def table4(runs: list[Run]) -> pd.DataFrame:
 
 def paper_table3(paper: dict) -> pd.DataFrame:
     t = paper["table3"]
-    rows = [{"label": NAMES[a], "seeds": 1, **{f"{c}_mean": v for c, v in zip(t["columns"], vals)}}
-            for a, vals in t["rows"].items()]
+    rows = [
+        {"label": NAMES[a], "seeds": 1, **{f"{c}_mean": v for c, v in zip(t["columns"], vals)}}
+        for a, vals in t["rows"].items()
+    ]
     return pd.DataFrame(rows)
 
 
@@ -147,13 +193,22 @@ def af_cells(runs: list[Run]) -> pd.DataFrame:
     fl = [r for r in runs if r.summary.get("every") is not None and "federation" in r.summary]
     if not fl:
         return pd.DataFrame(columns=columns)
-    df = pd.DataFrame([{"configuration": family, "A": _period(run.summary["every"]),
-                        "F": int(run.summary["federation"]), "step_time_s": float(run.steps["time_step"].mean()),
-                        "eval_perplexity": float(run.summary["eval_perplexity"])}
-                       for run, family in zip(fl, labels(fl, ignore=AF_KEYS))])
+    df = pd.DataFrame(
+        [
+            {
+                "configuration": family,
+                "A": _period(run.summary["every"]),
+                "F": int(run.summary["federation"]),
+                "step_time_s": float(run.steps["time_step"].mean()),
+                "eval_perplexity": float(run.summary["eval_perplexity"]),
+            }
+            for run, family in zip(fl, labels(fl, ignore=AF_KEYS))
+        ]
+    )
     g = df.groupby(["configuration", "A", "F"], sort=False)
-    out = g.agg(seeds=("step_time_s", "size"), step_time_s=("step_time_s", "mean"),
-                eval_perplexity=("eval_perplexity", "mean")).reset_index()
+    out = g.agg(
+        seeds=("step_time_s", "size"), step_time_s=("step_time_s", "mean"), eval_perplexity=("eval_perplexity", "mean")
+    ).reset_index()
     swept = out.groupby("configuration")["A"].transform("size") > 1
     # numeric periods in numeric order, schedules after them
     order = lambda a: a.map(lambda v: (0, int(v), "") if v.isdigit() else (1, 0, v))

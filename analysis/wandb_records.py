@@ -3,6 +3,7 @@ the trainer logged (as `train/<field>` and `eval/<field>`) and the summary it wr
 `records.make_run` checks them like the JSONL records. Offline W&B folders are not read: they sit
 in run directories whose JSONL records hold the same rows (analysis.discover maps one to its run
 directory), and W&B's log format is not a public interface."""
+
 from __future__ import annotations
 
 import re
@@ -18,7 +19,7 @@ def _split_row(flat: dict) -> list[dict]:
     step = flat.get("step", flat.get("_step"))
     rows = []
     for split in ("train", "eval"):
-        fields = {k[len(split) + 1:]: v for k, v in flat.items() if k.startswith(split + "/")}
+        fields = {k[len(split) + 1 :]: v for k, v in flat.items() if k.startswith(split + "/")}
         if fields:
             rows.append({"step": step, **fields, **({"split": "eval"} if split == "eval" else {})})
     return rows
@@ -37,8 +38,9 @@ def plain(value):
     return value
 
 
-def filters(group: str | None = None, tags: list[str] | None = None, job_type: str | None = None,
-            commit: str | None = None) -> dict:
+def filters(
+    group: str | None = None, tags: list[str] | None = None, job_type: str | None = None, commit: str | None = None
+) -> dict:
     """A W&B API query (MongoDB syntax) for the runs of one sweep, algorithm or code version: the
     trainer's group (wandb.group), every one of the tags (topology=..., A=..., F=...), its job type
     (the algorithm) and the fldp commit it recorded in the run's config (a prefix of 7+ characters
@@ -64,8 +66,11 @@ def read_project(project: str, query: dict | None = None) -> tuple[list[Run], li
             summary = plain(remote.summary) if remote.state == "finished" else None
             if summary is not None and "train_time_s" not in summary:
                 summary = None
-            runs.append(make_run(name, summary, rows, plain(remote.config), source="wandb-online",
-                                 summary_name="final W&B summary"))
+            runs.append(
+                make_run(
+                    name, summary, rows, plain(remote.config), source="wandb-online", summary_name="final W&B summary"
+                )
+            )
         except RecordError as e:
             problems.append(str(e))
     return runs, problems

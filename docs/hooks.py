@@ -6,6 +6,7 @@
   the repository. A page links them as the repository lays them out (`../experiments/...` from
   docs/), so the link works on GitHub too; the site's copy is at `experiments/...`.
 """
+
 from __future__ import annotations
 
 import sys
@@ -22,6 +23,7 @@ def _reference() -> str:
     if sys.path[:1] != [str(ROOT)]:
         sys.path.insert(0, str(ROOT))
     from fldp.schema_doc import reference_markdown
+
     return reference_markdown()
 
 
@@ -33,7 +35,7 @@ def on_files(files, config):
 
 
 def on_page_markdown(markdown, page, config, files):
-    depth = page.file.src_uri.count("/")   # docs/ itself: 0
+    depth = page.file.src_uri.count("/")  # docs/ itself: 0
     for rel in REPO_FILES:
         markdown = markdown.replace(f"]({'../' * (depth + 1)}{rel})", f"]({'../' * depth}{rel})")
     return markdown

@@ -9,6 +9,7 @@
 
     python experiments/bench_comm.py [--scale 5e-5] [--steps 10] [--repeats 30] [--only-fedavg]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,7 +73,7 @@ def _fedavg_worker(repeats, bucket_mb, out, device):
     runs = [("fedavg", fedavg), ("flat", flat_allreduce)] + ([("pieces", pieces_allreduce)] if len(pieces) > 1 else [])
     times = {name: [] for name, _ in runs}
     for i in range(repeats + 2):  # the first two rounds are warm-up
-        for name, fn in runs[i % len(runs):] + runs[:i % len(runs)]:  # rotate which goes first
+        for name, fn in runs[i % len(runs) :] + runs[: i % len(runs)]:  # rotate which goes first
             dist.barrier()
             start = time.perf_counter()
             fn()
@@ -81,32 +82,52 @@ def _fedavg_worker(repeats, bucket_mb, out, device):
             if i >= 2:
                 times[name].append(took.item())
     if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps({
-            "bytes": flat.numel() * flat.element_size(), "buckets": len(fedavg.buckets),
-            "copied": sum(len(c) for c in fedavg._copied), "shards": len(shards), **times}))
+        Path(out).write_text(
+            json.dumps(
+                {
+                    "bytes": flat.numel() * flat.element_size(),
+                    "buckets": len(fedavg.buckets),
+                    "copied": sum(len(c) for c in fedavg._copied),
+                    "shards": len(shards),
+                    **times,
+                }
+            )
+        )
 
 
 def bench_fedavg(repeats: int, bucket_mb: float) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "fedavg.json"
-        run_local(_fedavg_worker, (repeats, bucket_mb, str(out)), 4, "cpu",
-                  OmegaConf.create({"master_addr": "127.0.0.1", "master_port": None,
-                                    "timeout_s": 300, "threads_per_worker": 1}))
+        run_local(
+            _fedavg_worker,
+            (repeats, bucket_mb, str(out)),
+            4,
+            "cpu",
+            OmegaConf.create(
+                {"master_addr": "127.0.0.1", "master_port": None, "timeout_s": 300, "threads_per_worker": 1}
+            ),
+        )
         r = json.loads(out.read_text())
     fed, flat = statistics.median(r["fedavg"]), statistics.median(r["flat"])
     pairs = sorted(a / b for a, b in zip(r["fedavg"], r["flat"]))
     q1, _, q3 = statistics.quantiles(pairs, n=4)
-    print(f"(a) FedAvg of {r['bytes'] / 2**20:.1f} MiB fp32 per rank in {r['buckets']} bucket(s) "
-          f"({r['shards'] - r['copied']} of {r['shards']} shards in place), F=2 groups of 2 ranks, "
-          f"{repeats} interleaved repeats (order rotating, 2 warm-up rounds)")
+    print(
+        f"(a) FedAvg of {r['bytes'] / 2**20:.1f} MiB fp32 per rank in {r['buckets']} bucket(s) "
+        f"({r['shards'] - r['copied']} of {r['shards']} shards in place), F=2 groups of 2 ranks, "
+        f"{repeats} interleaved repeats (order rotating, 2 warm-up rounds)"
+    )
     print(f"    FedAvg median {fed * 1e3:.1f} ms, flat all-reduce of the same bytes median {flat * 1e3:.1f} ms")
-    print(f"    ratio FedAvg / flat: {fed / flat:.3f} (medians); pairwise median {statistics.median(pairs):.3f}, "
-          f"quartiles {q1:.3f}-{q3:.3f}, min {pairs[0]:.3f}, max {pairs[-1]:.3f}"
-          f"   goal <= 1.15: {'MET' if fed / flat <= 1.15 else 'NOT MET'}")
+    print(
+        f"    ratio FedAvg / flat: {fed / flat:.3f} (medians); pairwise median {statistics.median(pairs):.3f}, "
+        f"quartiles {q1:.3f}-{q3:.3f}, min {pairs[0]:.3f}, max {pairs[-1]:.3f}"
+        f"   goal <= 1.15: {'MET' if fed / flat <= 1.15 else 'NOT MET'}"
+    )
     if "pieces" in r:
         pieces = statistics.median(r["pieces"])
-        print(f"    the same bytes in {r['buckets']} all-reduces (the buckets' sizes, all in flight): median "
-              f"{pieces * 1e3:.1f} ms, {pieces / flat:.3f}x the flat one; FedAvg / these {fed / pieces:.3f}")
+        print(
+            f"    the same bytes in {r['buckets']} all-reduces (the buckets' sizes, all in flight): median "
+            f"{pieces * 1e3:.1f} ms, {pieces / flat:.3f}x the flat one; FedAvg / these {fed / pieces:.3f}"
+        )
     return fed / flat
 
 
@@ -114,11 +135,26 @@ def bench_fedavg(repeats: int, bucket_mb: float) -> float:
 def _run(algorithm: str, steps: int, emulate: bool, scale: float, tmp: Path) -> float:
     """Mean step time of one run (step 1, with its one-off start-up costs, left out)."""
     run_dir = tmp / f"{algorithm}-{'emu' if emulate else 'plain'}"
-    subprocess.run([sys.executable, "-m", "fldp.train", f"algorithm={algorithm}", "topology=local_8",
-                    f"trainer.steps={steps}", "algorithm.every=8", f"comm.emulate={emulate}",
-                    f"comm.scale={scale}", "wandb.mode=disabled", "trainer.progress=false",
-                    "trainer.eval_batches=1", f"hydra.run.dir={run_dir}"], check=True, cwd=ROOT,
-                   capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fldp.train",
+            f"algorithm={algorithm}",
+            "topology=local_8",
+            f"trainer.steps={steps}",
+            "algorithm.every=8",
+            f"comm.emulate={emulate}",
+            f"comm.scale={scale}",
+            "wandb.mode=disabled",
+            "trainer.progress=false",
+            "trainer.eval_batches=1",
+            f"hydra.run.dir={run_dir}",
+        ],
+        check=True,
+        cwd=ROOT,
+        capture_output=True,
+    )
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return statistics.fmean(r["time_step"] for r in rows if r.get("split") is None and r["step"] > 1)
 
@@ -136,14 +172,18 @@ def bench_tiers(steps: int, scale: float) -> None:
             compute = _run(algorithm, steps, False, scale, Path(tmp))
             measured[algorithm] = _run(algorithm, steps, True, scale, Path(tmp))
             predicted[algorithm] = compute + sum(comm.exact.values())
-            print(f"    {algorithm:8s} mesh {shape}: step {measured[algorithm]:.3f} s measured, "
-                  f"{predicted[algorithm]:.3f} s predicted ({compute:.3f} s compute + "
-                  f"{sum(comm.exact.values()):.3f} s modelled communication)")
+            print(
+                f"    {algorithm:8s} mesh {shape}: step {measured[algorithm]:.3f} s measured, "
+                f"{predicted[algorithm]:.3f} s predicted ({compute:.3f} s compute + "
+                f"{sum(comm.exact.values()):.3f} s modelled communication)"
+            )
     for num in ("fsdp", "hsdp"):
         m, p = measured[num] / measured["fl_fsdp"], predicted[num] / predicted["fl_fsdp"]
         err = abs(m / p - 1)
-        print(f"    {num.upper()} / FL+FSDP step time: measured {m:.2f}x, predicted {p:.2f}x, off by "
-              f"{err:.1%}   goal within 15%: {'MET' if err <= 0.15 else 'NOT MET'}")
+        print(
+            f"    {num.upper()} / FL+FSDP step time: measured {m:.2f}x, predicted {p:.2f}x, off by "
+            f"{err:.1%}   goal within 15%: {'MET' if err <= 0.15 else 'NOT MET'}"
+        )
 
 
 def main() -> None:
@@ -158,8 +198,10 @@ def main() -> None:
     bench_fedavg(args.repeats, args.bucket_mb)
     if args.only_fedavg:
         return
-    print(f"(b) local_8 with emulated Leonardo-like tiers (node of 4 ranks: 800 Gbit/s, across nodes: "
-          f"200 Gbit/s, x {args.scale:g}), {args.steps} steps, A=8")
+    print(
+        f"(b) local_8 with emulated Leonardo-like tiers (node of 4 ranks: 800 Gbit/s, across nodes: "
+        f"200 Gbit/s, x {args.scale:g}), {args.steps} steps, A=8"
+    )
     bench_tiers(args.steps, args.scale)
 
 

@@ -19,6 +19,7 @@ computation): their largest relative difference is printed.
 
 Needs root and iproute2. Writes DIR/results.csv (one row per run) and prints the table.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from analysis.stats import paired_ratio  # noqa: E402
 from bench_netns import compose_cfg, write_results  # noqa: E402  (this script's folder is on sys.path)
+
+from analysis.stats import paired_ratio  # noqa: E402
 from fldp import elastic, netns  # noqa: E402
 from fldp.cost import model_units, predict_for  # noqa: E402
 from fldp.data import RankBatches, prepare  # noqa: E402
@@ -48,12 +50,23 @@ from fldp.model import DTYPES, build_model, llama_config  # noqa: E402
 EVERY, STEPS, WINDOW = 8, 17, range(2, 17)
 PERIODS = len(WINDOW) / EVERY
 GROUPS = 4
-LAYOUT = ["algorithm=fl_fsdp", "topology=netns_4x2", "topology.procs_per_node=1", f"mesh.federation={GROUPS}",
-          "mesh.shard=1", "topology.network=[{tier:node,ranks:1,gbit_s:2,latency_ms:2},"
-          "{tier:inter-node,ranks:4,gbit_s:0.05,link:node,delay_ms:0}]",
-          f"trainer.steps={STEPS}", f"algorithm.every={EVERY}", "algorithm.outer.lr=0.7",
-          "algorithm.outer.momentum=0.9", "algorithm.outer.nesterov=true", "wandb.mode=disabled",
-          "trainer.progress=false", "trainer.eval_batches=1"]
+LAYOUT = [
+    "algorithm=fl_fsdp",
+    "topology=netns_4x2",
+    "topology.procs_per_node=1",
+    f"mesh.federation={GROUPS}",
+    "mesh.shard=1",
+    "topology.network=[{tier:node,ranks:1,gbit_s:2,latency_ms:2},"
+    "{tier:inter-node,ranks:4,gbit_s:0.05,link:node,delay_ms:0}]",
+    f"trainer.steps={STEPS}",
+    f"algorithm.every={EVERY}",
+    "algorithm.outer.lr=0.7",
+    "algorithm.outer.momentum=0.9",
+    "algorithm.outer.nesterov=true",
+    "wandb.mode=disabled",
+    "trainer.progress=false",
+    "trainer.eval_batches=1",
+]
 
 
 def _fldp(cfg, run_dir, blocks, device):
@@ -80,11 +93,21 @@ def _torchft(cfg, blocks, out, member, device):
     scheduler = build_scheduler(inner, cfg.optimizer, STEPS)
     outer = [torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)]
     timeout = timedelta(seconds=cfg.cluster.timeout_s)
-    manager = Manager(pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
-                      min_replica_size=GROUPS, use_async_quorum=False, rank=0, world_size=1,
-                      store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
-                      lighthouse_addr=member.lighthouse, replica_id=f"group_{member.group}", timeout=timeout,
-                      hostname=socket.gethostname())  # the node's (its default is read when torchft is imported)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timeout),
+        load_state_dict=None,
+        state_dict=None,
+        min_replica_size=GROUPS,
+        use_async_quorum=False,
+        rank=0,
+        world_size=1,
+        store_addr=os.environ["MASTER_ADDR"],
+        store_port=int(os.environ["MASTER_PORT"]),
+        lighthouse_addr=member.lighthouse,
+        replica_id=f"group_{member.group}",
+        timeout=timeout,
+        hostname=socket.gethostname(),
+    )  # the node's (its default is read when torchft is imported)
     batches = RankBatches(blocks.train, cfg.trainer.batch_size, member.group, GROUPS, cfg.seed).stream()
     losses, seconds = [], []
     # buckets of fldp's size (algorithm.fedavg.bucket_mb=25): a few all-reduces, not one per tensor
@@ -108,14 +131,17 @@ def per_period(seconds: list[float], aggregated: list[bool]) -> dict:
     over the median step without one, per period."""
     window = [(s, a) for step, (s, a) in enumerate(zip(seconds, aggregated), 1) if step in WINDOW]
     plain = statistics.median(s for s, a in window if not a)
-    return {"step_s": sum(s for s, _ in window) / PERIODS,
-            "aggregation_s": sum(s - plain for s, a in window if a) / PERIODS}
+    return {
+        "step_s": sum(s for s, _ in window) / PERIODS,
+        "aggregation_s": sum(s - plain for s, a in window if a) / PERIODS,
+    }
 
 
 def run_fldp(cfg, blocks, tmp: Path) -> tuple[dict, list[float]]:
     run_dir = tmp / f"fldp-{time.monotonic_ns()}"
-    run_local(_fldp, (cfg, str(run_dir), blocks), mesh_shape(cfg).world, "cpu", cfg.cluster,
-              network=netns.from_config(cfg))
+    run_local(
+        _fldp, (cfg, str(run_dir), blocks), mesh_shape(cfg).world, "cpu", cfg.cluster, network=netns.from_config(cfg)
+    )
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r.get("split") is None]
     return per_period([r["time_step"] for r in steps], [r["aggregated"] for r in steps]), [r["loss"] for r in steps]
@@ -124,8 +150,9 @@ def run_fldp(cfg, blocks, tmp: Path) -> tuple[dict, list[float]]:
 def run_torchft(cfg, blocks, tmp: Path) -> tuple[dict, list[float]]:
     out = tmp / f"torchft-{time.monotonic_ns()}"
     out.mkdir()
-    elastic.run_local(_torchft, (cfg, blocks, str(out)), mesh_shape(cfg), cfg.cluster, str(out),
-                      network=netns.from_config(cfg))
+    elastic.run_local(
+        _torchft, (cfg, blocks, str(out)), mesh_shape(cfg), cfg.cluster, str(out), network=netns.from_config(cfg)
+    )
     groups = [json.loads((out / f"torchft_g{g}.json").read_text()) for g in range(GROUPS)]
     losses = [sum(g["loss"][i] for g in groups) / GROUPS for i in range(STEPS)]  # fldp's row: the ranks' mean
     aggregated = [step % EVERY == 0 for step in range(1, STEPS + 1)]
@@ -141,10 +168,13 @@ def main() -> None:
     cfg0 = compose_cfg(*LAYOUT, "seed=0")
     netns.check(cfg0, forks_locally=True)
     blocks = prepare(cfg0.dataset)
-    import fldp.trainer  # noqa: F401  (once here, not in every forked worker)
     import torchft.local_sgd  # noqa: F401
 
-    units = model_units(build_model(llama_config(cfg0.model, blocks.vocab_size), "meta"), DTYPES[cfg0.trainer.precision])
+    import fldp.trainer  # noqa: F401  (once here, not in every forked worker)
+
+    units = model_units(
+        build_model(llama_config(cfg0.model, blocks.vocab_size), "meta"), DTYPES[cfg0.trainer.precision]
+    )
     model_s = predict_for(cfg0, units).exposed_aggregation(0.0)  # one aggregation's all-reduce on the link
     results, gaps = [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -159,8 +189,10 @@ def main() -> None:
     frame = pd.DataFrame(results)
     if args.out:
         write_results(args.out, results)
-    print(f"\nDiLoCo 4x1x1 on netns_4x2 with one rank a node (50 Mbit/s links), tiny_llama, A={EVERY}, {STEPS} steps "
-          f"(measured over steps {WINDOW.start}-{WINDOW.stop - 1}), {args.seeds} seeds, {time.monotonic() - start:.0f} s")
+    print(
+        f"\nDiLoCo 4x1x1 on netns_4x2 with one rank a node (50 Mbit/s links), tiny_llama, A={EVERY}, {STEPS} steps "
+        f"(measured over steps {WINDOW.start}-{WINDOW.stop - 1}), {args.seeds} seeds, {time.monotonic() - start:.0f} s"
+    )
     print(f"per-step losses, fldp against torchft: largest relative difference {max(gaps):.2e}")
     print(f"the cost model's aggregation per period (a ring all-reduce of the fp32 model on the link): {model_s:.3f} s")
     print(f"\nper period A (medians over seeds)\n{'system':8s} {'step s':>7s} {'agg s':>7s}")

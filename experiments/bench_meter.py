@@ -11,6 +11,7 @@ issues: what the meter can cost, however loaded the machine is when the runs are
 
 OVERRIDEs (Hydra) replace the default run, `algorithm=fsdp topology=local_8`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,10 +33,24 @@ GOAL = 1.01
 def run(overrides: list[str], steps: int, measure: bool, run_dir: Path) -> tuple[list[dict], float]:
     """The training rows of one run and its whole-process wall time. cwd=ROOT: this checkout's fldp."""
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "fldp.train", *overrides, f"trainer.steps={steps}",
-                    f"comm.measure={str(measure).lower()}", "comm.emulate=false", "wandb.mode=disabled",
-                    "trainer.progress=false", "trainer.eval_batches=1", f"hydra.run.dir={run_dir}"],
-                   check=True, cwd=ROOT, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fldp.train",
+            *overrides,
+            f"trainer.steps={steps}",
+            f"comm.measure={str(measure).lower()}",
+            "comm.emulate=false",
+            "wandb.mode=disabled",
+            "trainer.progress=false",
+            "trainer.eval_batches=1",
+            f"hydra.run.dir={run_dir}",
+        ],
+        check=True,
+        cwd=ROOT,
+        capture_output=True,
+    )
     wall = time.perf_counter() - start
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if r.get("split") is None], wall
@@ -71,8 +86,9 @@ def meter_overhead() -> tuple[float, float]:
             return None
 
         recorded = meter._recorder("all_gather_single", bare)
-        per_collective = (_best(lambda: recorded(out, x, group=group, async_op=True), 20000)
-                          - _best(lambda: bare(out, x, group=group, async_op=True), 20000))
+        per_collective = _best(lambda: recorded(out, x, group=group, async_op=True), 20000) - _best(
+            lambda: bare(out, x, group=group, async_op=True), 20000
+        )
 
         def enter_exit():
             with meter:
@@ -90,9 +106,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2, help="first steps left out of each median")
     ap.add_argument("overrides", nargs="*", default=DEFAULT)
     args = ap.parse_args()
-    print(f"python -m fldp.train {' '.join(args.overrides)} trainer.steps={args.steps}: "
-          f"comm.measure=true (on) vs false (off), {args.pairs} interleaved pairs, "
-          f"median time_step of steps > {args.warmup}")
+    print(
+        f"python -m fldp.train {' '.join(args.overrides)} trainer.steps={args.steps}: "
+        f"comm.measure=true (on) vs false (off), {args.pairs} interleaved pairs, "
+        f"median time_step of steps > {args.warmup}"
+    )
     ratios, missing, collectives, off_steps = [], [], [], []
     world = None
     with tempfile.TemporaryDirectory() as tmp:
@@ -100,9 +118,10 @@ def main() -> None:
             order = (True, False) if pair % 2 == 0 else (False, True)
             median, wall = {}, {}
             for measure in order:
-                rows, wall[measure] = run(args.overrides, args.steps, measure,
-                                          Path(tmp) / f"{pair}-{'on' if measure else 'off'}")
-                median[measure] = statistics.median(r["time_step"] for r in rows[args.warmup:])
+                rows, wall[measure] = run(
+                    args.overrides, args.steps, measure, Path(tmp) / f"{pair}-{'on' if measure else 'off'}"
+                )
+                median[measure] = statistics.median(r["time_step"] for r in rows[args.warmup :])
                 if measure:
                     missing += [(pair, r["step"]) for r in rows if not r.get("bytes_shard")]
                     collectives += [sum(v for k, v in r.items() if k.startswith("collectives_")) for r in rows]
@@ -110,23 +129,31 @@ def main() -> None:
                 else:
                     off_steps.append(median[False])
             ratios.append(median[True] / median[False])
-            print(f"  pair {pair + 1} ({'on, off' if order[0] else 'off, on'}): median step "
-                  f"on {median[True] * 1e3:.1f} ms, off {median[False] * 1e3:.1f} ms, ratio {ratios[-1]:.4f}"
-                  f"   (process wall {wall[True]:.1f} s vs {wall[False]:.1f} s)")
+            print(
+                f"  pair {pair + 1} ({'on, off' if order[0] else 'off, on'}): median step "
+                f"on {median[True] * 1e3:.1f} ms, off {median[False] * 1e3:.1f} ms, ratio {ratios[-1]:.4f}"
+                f"   (process wall {wall[True]:.1f} s vs {wall[False]:.1f} s)"
+            )
     ratio = statistics.median(ratios)
-    print(f"median ratio on / off: {ratio:.4f} (pairs: min {min(ratios):.4f}, max {max(ratios):.4f})"
-          f"   goal <= {GOAL}: {'MET' if ratio <= GOAL else 'NOT MET'}")
-    print("bytes_shard nonzero on every measured row: "
-          + ("yes" if not missing else f"NO, zero or absent at (pair, step) {missing[:10]}"))
+    print(
+        f"median ratio on / off: {ratio:.4f} (pairs: min {min(ratios):.4f}, max {max(ratios):.4f})"
+        f"   goal <= {GOAL}: {'MET' if ratio <= GOAL else 'NOT MET'}"
+    )
+    print(
+        "bytes_shard nonzero on every measured row: "
+        + ("yes" if not missing else f"NO, zero or absent at (pair, step) {missing[:10]}")
+    )
     enter_exit, per_collective = meter_overhead()
     per_step = statistics.fmean(collectives)
     cost = enter_exit + per_step * per_collective
     # every rank pays it; with more ranks than cores they pay it one after another
     serial = max(1.0, world / (os.cpu_count() or 1))
     step = statistics.median(off_steps)
-    print(f"meter's own cost per rank and step: enter + exit {enter_exit * 1e6:.1f} us + {per_step:.1f} "
-          f"collectives x {per_collective * 1e6:.2f} us = {cost * 1e6:.0f} us; x {serial:g} ({world} ranks on "
-          f"{os.cpu_count()} cores) = {cost * serial / step:.3%} of the median unmeasured step")
+    print(
+        f"meter's own cost per rank and step: enter + exit {enter_exit * 1e6:.1f} us + {per_step:.1f} "
+        f"collectives x {per_collective * 1e6:.2f} us = {cost * 1e6:.0f} us; x {serial:g} ({world} ranks on "
+        f"{os.cpu_count()} cores) = {cost * serial / step:.3%} of the median unmeasured step"
+    )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ validation), so a run costs seconds of start-up, not tens. Needs root and iprout
 
     python experiments/bench_netns.py [--topology netns_2x4] [--steps 16] [--repeats 5] [--json OUT] [OVERRIDES]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 
@@ -36,8 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import fldp  # noqa: E402,F401
-from fldp.cost import link_extra, model_units, predict_for  # noqa: E402
 from fldp import netns  # noqa: E402
+from fldp.cost import link_extra, model_units, predict_for  # noqa: E402
 from fldp.data import load_tokenizer, prepare  # noqa: E402
 from fldp.launch import run_local  # noqa: E402
 from fldp.mesh import mesh_shape  # noqa: E402
@@ -134,12 +134,20 @@ def main() -> None:
     algorithms = args.algorithms.split(",")
 
     start = time.monotonic()
-    common = [f"topology={args.topology}", f"trainer.steps={args.steps}", f"algorithm.every={args.every}",
-              "wandb.mode=disabled", "trainer.progress=false", "trainer.eval_batches=1", *args.overrides]
+    common = [
+        f"topology={args.topology}",
+        f"trainer.steps={args.steps}",
+        f"algorithm.every={args.every}",
+        "wandb.mode=disabled",
+        "trainer.progress=false",
+        "trainer.eval_batches=1",
+        *args.overrides,
+    ]
     cfg0 = compose_cfg(*common)
     netns.check(cfg0, forks_locally=True)
     blocks = prepare(cfg0.dataset)
     import fldp.trainer  # noqa: F401  (once here, not in every forked worker)
+
     samples = {a: {"loopback": [], "netns": []} for a in algorithms}
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(args.repeats):  # interleaved: load on the machine hits both sides alike
@@ -156,24 +164,39 @@ def main() -> None:
         cfg = compose_cfg(f"algorithm={a}", *common)
         pred, extra = predict_for(cfg, units), link_extra(cfg, units)
         med = {side: statistics.median(s["step_s"] for s in samples[a][side]) for side in ("loopback", "netns")}
-        rows[a] = {"mesh": str(mesh_shape(cfg)), "loopback_s": med["loopback"], "netns_s": med["netns"],
-                   "measured_comm_s": med["netns"] - med["loopback"], "predicted_comm_s": extra,
-                   "gloo_link_s": pred.capped_time(), "ring_link_s": pred.capped_time(ring=True),
-                   "predicted_s": med["loopback"] + extra, "samples": samples[a],
-                   "link_mb": statistics.median(s["link_bytes"] for s in samples[a]["netns"]) / 1e6,
-                   "predicted_link_mb": pred.link_bytes() / 1e6}
+        rows[a] = {
+            "mesh": str(mesh_shape(cfg)),
+            "loopback_s": med["loopback"],
+            "netns_s": med["netns"],
+            "measured_comm_s": med["netns"] - med["loopback"],
+            "predicted_comm_s": extra,
+            "gloo_link_s": pred.capped_time(),
+            "ring_link_s": pred.capped_time(ring=True),
+            "predicted_s": med["loopback"] + extra,
+            "samples": samples[a],
+            "link_mb": statistics.median(s["link_bytes"] for s in samples[a]["netns"]) / 1e6,
+            "predicted_link_mb": pred.link_bytes() / 1e6,
+        }
     link = cfg0.topology.network[-1]
-    print(f"{args.topology}: {cfg0.topology.nodes} nodes x {cfg0.topology.procs_per_node} ranks, link "
-          f"{link.gbit_s * 1e3:g} Mbit/s each way per node, model={cfg0.model.name}, {args.steps} steps, "
-          f"A={args.every}, {args.repeats} paired repeats, {time.monotonic() - start:.0f} s\n")
-    print("seconds per step; comm = netns - loopback, measured and predicted (the link's time less what the same\n"
-          "collectives cost on loopback); the model's time on the link alone, gloo's collectives and a ring's\n")
-    print(f"{'algorithm':9s} {'mesh':6s} {'loopback':>9s} {'netns':>8s} {'comm meas':>10s} {'comm pred':>10s} "
-          f"{'link gloo':>10s} {'link ring':>10s} {'MB/step on link meas':>21s} {'pred':>6s}")
+    print(
+        f"{args.topology}: {cfg0.topology.nodes} nodes x {cfg0.topology.procs_per_node} ranks, link "
+        f"{link.gbit_s * 1e3:g} Mbit/s each way per node, model={cfg0.model.name}, {args.steps} steps, "
+        f"A={args.every}, {args.repeats} paired repeats, {time.monotonic() - start:.0f} s\n"
+    )
+    print(
+        "seconds per step; comm = netns - loopback, measured and predicted (the link's time less what the same\n"
+        "collectives cost on loopback); the model's time on the link alone, gloo's collectives and a ring's\n"
+    )
+    print(
+        f"{'algorithm':9s} {'mesh':6s} {'loopback':>9s} {'netns':>8s} {'comm meas':>10s} {'comm pred':>10s} "
+        f"{'link gloo':>10s} {'link ring':>10s} {'MB/step on link meas':>21s} {'pred':>6s}"
+    )
     for a, r in rows.items():
-        print(f"{NAMES[a]:9s} {r['mesh']:6s} {r['loopback_s']:9.3f} {r['netns_s']:8.3f} {r['measured_comm_s']:10.3f} "
-              f"{r['predicted_comm_s']:10.3f} {r['gloo_link_s']:10.3f} {r['ring_link_s']:10.3f} "
-              f"{r['link_mb']:21.3f} {r['predicted_link_mb']:6.3f}")
+        print(
+            f"{NAMES[a]:9s} {r['mesh']:6s} {r['loopback_s']:9.3f} {r['netns_s']:8.3f} {r['measured_comm_s']:10.3f} "
+            f"{r['predicted_comm_s']:10.3f} {r['gloo_link_s']:10.3f} {r['ring_link_s']:10.3f} "
+            f"{r['link_mb']:21.3f} {r['predicted_link_mb']:6.3f}"
+        )
     ratios = []
     if "fl_fsdp" in rows:
         print("\nstep-time ratio            measured  predicted  off by   goal within 15%")
@@ -184,7 +207,9 @@ def main() -> None:
             m, p = rows[a]["netns_s"] / base["netns_s"], rows[a]["predicted_s"] / base["predicted_s"]
             err = m / p - 1
             ratios.append({"ratio": f"{NAMES[a]} / FL+FSDP", "measured": m, "predicted": p, "off_by": err})
-            print(f"{NAMES[a] + ' / FL+FSDP':25s} {m:8.2f}x {p:9.2f}x {err:+7.1%}   {'MET' if abs(err) <= 0.15 else 'NOT MET'}")
+            print(
+                f"{NAMES[a] + ' / FL+FSDP':25s} {m:8.2f}x {p:9.2f}x {err:+7.1%}   {'MET' if abs(err) <= 0.15 else 'NOT MET'}"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps({"topology": args.topology, "rows": rows, "ratios": ratios}, indent=2))
 

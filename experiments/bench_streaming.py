@@ -29,6 +29,7 @@ Ratios to `plain`, paired by seed: the geometric mean with its 95% t interval (a
 
 Needs root and iproute2. Writes DIR/results.csv (one row per run) and prints the tables.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,9 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from analysis.stats import TIE_HIGH, TIE_LOW, paired_ratio  # noqa: E402
 from bench_netns import compose_cfg, write_results  # noqa: E402  (this script's folder is on sys.path)
+
+from analysis.stats import TIE_HIGH, TIE_LOW, paired_ratio  # noqa: E402
 from fldp import netns  # noqa: E402
 from fldp.cost import model_units, predict_for  # noqa: E402
 from fldp.data import load_tokenizer, prepare  # noqa: E402
@@ -57,18 +59,30 @@ EVERY, STEPS, WINDOW = 8, 17, range(2, 17)  # WINDOW: two whole periods
 PERIODS = len(WINDOW) / EVERY
 STREAM = "algorithm.streaming"
 VARIANTS = {  # name -> its overrides; the first five are the default (the committed tables)
-    "plain": [], "overlap": [f"{STREAM}.overlap=1"], "overlap3": [f"{STREAM}.overlap=3"],
-    "fragments": [f"{STREAM}.fragments=2"], "streaming": [f"{STREAM}.fragments=2", f"{STREAM}.overlap=1"],
+    "plain": [],
+    "overlap": [f"{STREAM}.overlap=1"],
+    "overlap3": [f"{STREAM}.overlap=3"],
+    "fragments": [f"{STREAM}.fragments=2"],
+    "streaming": [f"{STREAM}.fragments=2", f"{STREAM}.overlap=1"],
     "fragments4": [f"{STREAM}.fragments=4"],  # needs 4 FSDP units: model.num_hidden_layers >= 3
     # what crosses: the change in bf16 (reduce_dtype), or quantised (fldp/quantize.py, blocks of 256)
-    "bf16": ["algorithm.outer.reduce_dtype=bf16"], "int8": ["algorithm.outer.quantize=int8"],
-    "fp8": ["algorithm.outer.quantize=fp8"], "int4": ["algorithm.outer.quantize=int4"],
+    "bf16": ["algorithm.outer.reduce_dtype=bf16"],
+    "int8": ["algorithm.outer.quantize=int8"],
+    "fp8": ["algorithm.outer.quantize=fp8"],
+    "int4": ["algorithm.outer.quantize=int4"],
     "int4_ef": ["algorithm.outer.quantize=int4", "algorithm.outer.error_feedback=true"],
 }
 DEFAULT_VARIANTS = ["plain", "overlap", "overlap3", "fragments", "streaming"]
 ALGORITHMS = {"fl_fsdp": "FL+FSDP", "fl_hsdp": "FL+HSDP"}
-COMMON = ["topology=netns_4x2", f"trainer.steps={STEPS}", f"algorithm.every={EVERY}", "comm.measure=true",
-          "wandb.mode=disabled", "trainer.progress=false", "trainer.eval_batches=null"]
+COMMON = [
+    "topology=netns_4x2",
+    f"trainer.steps={STEPS}",
+    f"algorithm.every={EVERY}",
+    "comm.measure=true",
+    "wandb.mode=disabled",
+    "trainer.progress=false",
+    "trainer.eval_batches=null",
+]
 
 
 def _train(cfg, run_dir, blocks, device):
@@ -84,18 +98,24 @@ def overrides(algorithm: str, variant: str, seed: int, extra=()) -> list[str]:
 def run(cfg, blocks, tmp: Path) -> dict:
     """One run through the launcher and trainer `python -m fldp.train` uses, forked from here."""
     run_dir = tmp / f"{cfg.algorithm.name}-{time.monotonic_ns()}"
-    run_local(_train, (cfg, str(run_dir), blocks), mesh_shape(cfg).world, "cpu", cfg.cluster,
-              network=netns.from_config(cfg))
+    run_local(
+        _train, (cfg, str(run_dir), blocks), mesh_shape(cfg).world, "cpu", cfg.cluster, network=netns.from_config(cfg)
+    )
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["network"] == "netns", summary["network"]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r.get("split") is None and r["step"] in WINDOW]
-    compute = statistics.median(r["critical_forward"] + r["critical_backward"] + r["critical_optimizer"]
-                                for r in steps if not r["aggregated"])
+    compute = statistics.median(
+        r["critical_forward"] + r["critical_backward"] + r["critical_optimizer"] for r in steps if not r["aggregated"]
+    )
     final = next(r for r in reversed(rows) if r.get("split") == "eval")
-    return {"aggregation_s": sum(r["critical_aggregation"] for r in steps) / PERIODS,
-            "step_s": sum(r["time_step"] for r in steps) / PERIODS, "compute_s": compute,
-            "peak_bytes": max(r["bytes_federation"] for r in steps), "perplexity": final["perplexity"]}
+    return {
+        "aggregation_s": sum(r["critical_aggregation"] for r in steps) / PERIODS,
+        "step_s": sum(r["time_step"] for r in steps) / PERIODS,
+        "compute_s": compute,
+        "peak_bytes": max(r["bytes_federation"] for r in steps),
+        "perplexity": final["perplexity"],
+    }
 
 
 def main() -> None:
@@ -104,7 +124,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help="write results.csv here (default: a temporary directory)")
     ap.add_argument("--algorithms", default=",".join(ALGORITHMS))
     ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"plain and any of {', '.join(VARIANTS)}")
-    ap.add_argument("overrides", nargs="*", help="Hydra overrides for every run, e.g. algorithm.fedavg.mode=all_replicas")
+    ap.add_argument(
+        "overrides", nargs="*", help="Hydra overrides for every run, e.g. algorithm.fedavg.mode=all_replicas"
+    )
     args = ap.parse_args()
     algorithms, variants = args.algorithms.split(","), args.variants.split(",")
     if "plain" not in variants or not set(variants) <= set(VARIANTS) or not set(algorithms) <= set(ALGORITHMS):
@@ -125,35 +147,53 @@ def main() -> None:
                     cfg = compose_cfg(*overrides(algorithm, variant, seed, args.overrides))
                     measured = run(cfg, blocks, Path(tmp))
                     pred = predict_for(cfg, units)
-                    results.append({"seed": seed, "algorithm": algorithm, "variant": variant, **measured,
-                                    "predicted_aggregation_s": pred.exposed_aggregation(measured["compute_s"]),
-                                    "predicted_peak_bytes": pred.peak_aggregation_bytes})
+                    results.append(
+                        {
+                            "seed": seed,
+                            "algorithm": algorithm,
+                            "variant": variant,
+                            **measured,
+                            "predicted_aggregation_s": pred.exposed_aggregation(measured["compute_s"]),
+                            "predicted_peak_bytes": pred.peak_aggregation_bytes,
+                        }
+                    )
                     print(f"seed {seed} {algorithm} {variant}: {measured}", flush=True)
     frame = pd.DataFrame(results)
     if args.out:
         write_results(args.out, results)
 
     link = cfg0.topology.network[-1]
-    print(f"\nnetns_4x2: 4 nodes x 2 ranks, link {link.gbit_s * 1e3:g} Mbit/s per node, model={cfg0.model.name}, "
-          f"A={EVERY}, {STEPS} steps (measured over steps {WINDOW.start}-{WINDOW.stop - 1}), {args.seeds} seeds, "
-          f"{time.monotonic() - start:.0f} s{'; ' + ' '.join(args.overrides) if args.overrides else ''}")
-    print("\nper period A (medians over seeds): aggregation on the critical path, measured and the model's "
-          "(collectives only); step time; peak federation bytes per aggregation step, measured and the model's; "
-          "final eval perplexity")
-    print(f"{'':9s} {'variant':10s} {'agg s':>7s} {'model':>7s} {'step s':>7s} {'compute':>8s} "
-          f"{'peak MB':>8s} {'model':>7s} {'ppl':>7s}")
+    print(
+        f"\nnetns_4x2: 4 nodes x 2 ranks, link {link.gbit_s * 1e3:g} Mbit/s per node, model={cfg0.model.name}, "
+        f"A={EVERY}, {STEPS} steps (measured over steps {WINDOW.start}-{WINDOW.stop - 1}), {args.seeds} seeds, "
+        f"{time.monotonic() - start:.0f} s{'; ' + ' '.join(args.overrides) if args.overrides else ''}"
+    )
+    print(
+        "\nper period A (medians over seeds): aggregation on the critical path, measured and the model's "
+        "(collectives only); step time; peak federation bytes per aggregation step, measured and the model's; "
+        "final eval perplexity"
+    )
+    print(
+        f"{'':9s} {'variant':10s} {'agg s':>7s} {'model':>7s} {'step s':>7s} {'compute':>8s} "
+        f"{'peak MB':>8s} {'model':>7s} {'ppl':>7s}"
+    )
     for algorithm in algorithms:
         name = ALGORITHMS[algorithm]
         for variant in variants:
             v = frame[(frame.algorithm == algorithm) & (frame.variant == variant)]
-            print(f"{name:9s} {variant:10s} {v.aggregation_s.median():7.3f} {v.predicted_aggregation_s.median():7.3f} "
-                  f"{v.step_s.median():7.3f} {v.compute_s.median():8.3f} {v.peak_bytes.median() / 1e6:8.3f} "
-                  f"{v.predicted_peak_bytes.median() / 1e6:7.3f} {v.perplexity.median():7.2f}")
-    print(f"\nratios to plain, paired by seed: geometric mean [95% t interval]; ppl tie band "
-          f"{TIE_LOW:.3f}-{TIE_HIGH:.3f}")
+            print(
+                f"{name:9s} {variant:10s} {v.aggregation_s.median():7.3f} {v.predicted_aggregation_s.median():7.3f} "
+                f"{v.step_s.median():7.3f} {v.compute_s.median():8.3f} {v.peak_bytes.median() / 1e6:8.3f} "
+                f"{v.predicted_peak_bytes.median() / 1e6:7.3f} {v.perplexity.median():7.2f}"
+            )
+    print(
+        f"\nratios to plain, paired by seed: geometric mean [95% t interval]; ppl tie band {TIE_LOW:.3f}-{TIE_HIGH:.3f}"
+    )
     bf16 = "bf16" in variants  # the quantised bytes against the change sent in bf16 too
-    print(f"{'':9s} {'variant':10s} {'aggregation':>24s} {'step':>24s} {'peak bytes':>11s} "
-          f"{'/ bf16' if bf16 else '':>7s} {'eval ppl':>24s} verdict")
+    print(
+        f"{'':9s} {'variant':10s} {'aggregation':>24s} {'step':>24s} {'peak bytes':>11s} "
+        f"{'/ bf16' if bf16 else '':>7s} {'eval ppl':>24s} verdict"
+    )
     for algorithm in algorithms:
         name = ALGORITHMS[algorithm]
         base = frame[(frame.algorithm == algorithm) & (frame.variant == "plain")].set_index("seed")
@@ -163,8 +203,10 @@ def main() -> None:
             peak = (v.peak_bytes / base.peak_bytes).median()
             halves = frame[(frame.algorithm == algorithm) & (frame.variant == "bf16")].set_index("seed")
             to_bf16 = f"{(v.peak_bytes / halves.peak_bytes).median():7.4f}" if bf16 else ""
-            print(f"{name:9s} {variant:10s} {agg.text():>24s} {step.text():>24s} {peak:11.4f} {to_bf16:>7s} "
-                  f"{ppl.text():>24s} {ppl.verdict}")
+            print(
+                f"{name:9s} {variant:10s} {agg.text():>24s} {step.text():>24s} {peak:11.4f} {to_bf16:>7s} "
+                f"{ppl.text():>24s} {ppl.verdict}"
+            )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """fldp: reproduction suite for FL+FSDP and FL+HSDP (Mittone & Aldinucci, Euro-Par 2026)."""
+
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -42,8 +43,10 @@ def _layout(dim: str, *, _root_) -> int:
     key = "_".join(d for d in ("federation", "replicate", "shard") if d in dims)
     layouts = _root_.topology.layouts
     if key not in layouts:
-        raise ValueError(f"topology={_root_.topology.name} has no layout for algorithm.dims={dims} "
-                         f"(topology.layouts.{key}); set mesh.federation/replicate/shard")
+        raise ValueError(
+            f"topology={_root_.topology.name} has no layout for algorithm.dims={dims} "
+            f"(topology.layouts.{key}); set mesh.federation/replicate/shard"
+        )
     return layouts[key][dim]
 
 

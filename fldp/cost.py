@@ -18,6 +18,7 @@ R*S, federation: F*R*S); B for the dimension is that of the smallest network tie
 block (`topology.network`, innermost first). Contention between groups sharing a link is not
 modelled: the paper's B_n is a per-process bottleneck bandwidth, and so is this.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,22 +29,34 @@ from dataclasses import dataclass, field
 import torch
 
 from .aggregation import REDUCE_DTYPES, OuterConfig, bucket_indices, federated_mask
-from .schedule import aggregation_steps, schedule_of
 from .mesh import DIMS, MeshShape
 from .quantize import Quantizer
+from .schedule import aggregation_steps, schedule_of
 from .streaming import StreamingConfig
 
+
 # the collectives' time costs, Table 1 (D: message bytes, n: processes, B: bytes/s)
-def C_AG(D, n, B): return D * (n - 1) / (n * B)          # noqa: E704
-def C_RS(D, n, B): return D * (n - 1) / (n * B)          # noqa: E704
-def C_AR(D, n, B): return 2 * D * (n - 1) / (n * B)      # noqa: E704
-def C_BC(D, n, B): return D / B                          # noqa: E704
+def C_AG(D, n, B):
+    return D * (n - 1) / (n * B)  # noqa: E704
+
+
+def C_RS(D, n, B):
+    return D * (n - 1) / (n * B)  # noqa: E704
+
+
+def C_AR(D, n, B):
+    return 2 * D * (n - 1) / (n * B)  # noqa: E704
+
+
+def C_BC(D, n, B):
+    return D / B  # noqa: E704
 
 
 @dataclass(frozen=True)
 class Units:
     """The model as FSDP2 shards it: one unit per decoder layer plus the root. Parameters are kept
     in named_parameters order (FedAvg's bucketing follows it), each with its unit's index."""
+
     params: tuple[tuple[tuple[int, ...], int], ...]  # (global shape, unit index)
     element_size: int
     names: tuple[str, ...] = ()  # the parameters' names (algorithm.federate matches them)
@@ -79,8 +92,9 @@ def model_units(model, dtype: torch.dtype) -> Units:
     root = len(model.model.layers)
     named = list(model.named_parameters())
     params = tuple((tuple(p.shape), unit_of.get(id(p), root)) for _, p in named)
-    return Units(params=params, element_size=torch.empty((), dtype=dtype).element_size(),
-                 names=tuple(n for n, _ in named))
+    return Units(
+        params=params, element_size=torch.empty((), dtype=dtype).element_size(), names=tuple(n for n, _ in named)
+    )
 
 
 def tiers(network, shape: MeshShape) -> dict:
@@ -111,8 +125,9 @@ def crossing_flows(shape: MeshShape, dim: str, procs_per_node: int, leaders_only
     return max([1, *out.values(), *into.values()])
 
 
-def tier_bandwidth(network, shape: MeshShape, scale: float = 1.0, procs_per_node: int | None = None,
-                   leaders_only: bool = False) -> dict[str, float]:
+def tier_bandwidth(
+    network, shape: MeshShape, scale: float = 1.0, procs_per_node: int | None = None, leaders_only: bool = False
+) -> dict[str, float]:
     """Bytes/s of each mesh dimension, per rank: its tier's bandwidth, which is per rank (the paper's
     B_n), or, for a tier with `link: node` (a node's link, e.g. the netns topologies), that link's
     share of one of the flows crossing it at once (`crossing_flows`; needs procs_per_node)."""
@@ -172,8 +187,10 @@ class Prediction:
         all-reduce less the `overlap` steps of `compute_s` each it is in flight during (all of it
         without overlap), and the merge's broadcast to the replicas. Only the collectives' time;
         packing, the outer step and unpacking come on top."""
-        return sum(max(0.0, t - self.overlap * compute_s) + b
-                   for t, b in zip(self.fragment_seconds, self.fragment_broadcast_seconds))
+        return sum(
+            max(0.0, t - self.overlap * compute_s) + b
+            for t, b in zip(self.fragment_seconds, self.fragment_broadcast_seconds)
+        )
 
     def time(self, dims, ring: bool = False) -> float:
         """Seconds per step of the collectives on `dims`: the gloo variant, or (ring=True) the exact one."""
@@ -186,8 +203,11 @@ class Prediction:
 
     def link_bytes(self) -> float:
         """Bytes per step one node sends over its capped link (gloo's collectives, every flow)."""
-        return sum(sent * self.flows[_DIM_OF.get(k, k)] for k, sent in self.gloo_bytes.items()
-                   if _DIM_OF.get(k, k) in self.capped)
+        return sum(
+            sent * self.flows[_DIM_OF.get(k, k)]
+            for k, sent in self.gloo_bytes.items()
+            if _DIM_OF.get(k, k) in self.capped
+        )
 
     def expected_row(self, aggregated: bool, sent=None, merged=None) -> dict:
         """The bytes_*/collectives_* fields metrics.jsonl must show for one step (rank 0 = the
@@ -215,12 +235,21 @@ def _fragments(streaming, names: list[str], keep: list[bool]) -> list[int]:
     return [next(dealt) if k else -1 for k in keep]
 
 
-def predict(units: Units, shape: MeshShape, bandwidth: dict[str, float], every=None,
-            mode: str = "leader_broadcast", bucket_mb: float = 25.0,
-            reshard_root_after_forward: bool = False, latency: dict[str, float] | None = None,
-            steps: int | None = None, federated: list[bool] | None = None,
-            reduce_element_size: int | None = None, streaming: StreamingConfig | None = None,
-            quantizer: Quantizer | None = None) -> Prediction:
+def predict(
+    units: Units,
+    shape: MeshShape,
+    bandwidth: dict[str, float],
+    every=None,
+    mode: str = "leader_broadcast",
+    bucket_mb: float = 25.0,
+    reshard_root_after_forward: bool = False,
+    latency: dict[str, float] | None = None,
+    steps: int | None = None,
+    federated: list[bool] | None = None,
+    reduce_element_size: int | None = None,
+    streaming: StreamingConfig | None = None,
+    quantizer: Quantizer | None = None,
+) -> Prediction:
     """every: an integer A or a schedule (None: no aggregation); steps: the run's length, over which
     the aggregations are amortised (None: the schedule's long-run rate, 1 / its last A); federated:
     per parameter, whether FedAvg averages it (None: all); reduce_element_size: bytes per element of
@@ -247,9 +276,9 @@ def predict(units: Units, shape: MeshShape, bandwidth: dict[str, float], every=N
     ML_weights = sum(math.prod(dims) for (dims, _), k in zip(units.params, keep) if k) * units.element_size / S
     ML_fed = ML_weights * cast
     pred.paper = {
-        "shard": 2 * C_AG(ML, S, B_S) + C_RS(ML, S, B_S),                        # Eq. 1
-        "replicate": C_AR(ML, R, B_R),                                           # Eq. 2
-        "federation": C_AR(ML_fed, F, B_F) * rate,                               # Eq. 3-4
+        "shard": 2 * C_AG(ML, S, B_S) + C_RS(ML, S, B_S),  # Eq. 1
+        "replicate": C_AR(ML, R, B_R),  # Eq. 2
+        "federation": C_AR(ML_fed, F, B_F) * rate,  # Eq. 3-4
         "broadcast": C_BC(ML_weights, R, B_R) * rate if R > 1 and mode == "leader_broadcast" else 0.0,  # Eq. 5
     }
 
@@ -286,20 +315,21 @@ def predict(units: Units, shape: MeshShape, bandwidth: dict[str, float], every=N
             pred.fragment_bytes.append(bytes_)
             pred.fragment_collectives.append(count)
             fragment_weights.append(sum(local))
-        pred.aggregation_bytes = {d: sum(f.get(d, 0.0) for f in pred.fragment_bytes)
-                                  for d in pred.fragment_bytes[0]}
-        pred.aggregation_collectives = {d: sum(f.get(d, 0) for f in pred.fragment_collectives)
-                                        for d in pred.fragment_collectives[0]}
+        pred.aggregation_bytes = {d: sum(f.get(d, 0.0) for f in pred.fragment_bytes) for d in pred.fragment_bytes[0]}
+        pred.aggregation_collectives = {
+            d: sum(f.get(d, 0) for f in pred.fragment_collectives) for d in pred.fragment_collectives[0]
+        }
         if (streaming.fragments > 1 or streaming.exchanges) and steps:
             # each fragment's sends over the run, from the plan the trainer follows
-            sends = Counter(p for t in range(1, steps + 1)
-                            for p in streaming.exchange(t, schedule[0][1], steps).sends)
+            sends = Counter(p for t in range(1, steps + 1) for p in streaming.exchange(t, schedule[0][1], steps).sends)
             fragment_rate = [sends[p] / steps for p in range(streaming.fragments)]
         else:
             fragment_rate = [rate] * streaming.fragments
         pred.overlap = streaming.overlap
-    per_step = lambda key, d: sum(getattr(pred, key)[p].get(d, 0) * fragment_rate[p]  # noqa: E731
-                                  for p in range(len(pred.fragment_bytes)))
+    per_step = lambda key, d: sum(
+        getattr(pred, key)[p].get(d, 0) * fragment_rate[p]  # noqa: E731
+        for p in range(len(pred.fragment_bytes))
+    )
     pred.bytes_per_step = {d: pred.step_bytes.get(d, 0.0) + per_step("fragment_bytes", d) for d in DIMS}
     fed_bcast = per_step("fragment_bytes", "replicate")
     pred.exact = {
@@ -331,18 +361,24 @@ def predict(units: Units, shape: MeshShape, bandwidth: dict[str, float], every=N
         # gloo's broadcast is flat: the leader sends the weights to each of the R-1 others
         "broadcast": sum((R - 1) * w * r for w, r in zip(fragment_weights, fragment_rate)) if broadcasts else 0.0,
     }
-    pred.gloo = {term: sent / bandwidth[_DIM_OF.get(term, term)] + lat[_DIM_OF.get(term, term)] * ring[term]
-                 for term, sent in pred.gloo_bytes.items()}
-    pred.fragment_seconds = [f.get("federation", 0.0) / B_F + lat["federation"] * c["federation"] * fed_steps
-                             for f, c in zip(pred.fragment_bytes, pred.fragment_collectives)]
+    pred.gloo = {
+        term: sent / bandwidth[_DIM_OF.get(term, term)] + lat[_DIM_OF.get(term, term)] * ring[term]
+        for term, sent in pred.gloo_bytes.items()
+    }
+    pred.fragment_seconds = [
+        f.get("federation", 0.0) / B_F + lat["federation"] * c["federation"] * fed_steps
+        for f, c in zip(pred.fragment_bytes, pred.fragment_collectives)
+    ]
     pred.fragment_broadcast_seconds = [
         ((R - 1) * w / B_R + lat["replicate"] * c["replicate"] * (R - 1)) if broadcasts else 0.0
-        for w, c in zip(fragment_weights, pred.fragment_collectives)]
+        for w, c in zip(fragment_weights, pred.fragment_collectives)
+    ]
     return pred
 
 
-def predict_for(cfg, units: Units, aggregates: bool | None = None, shape: MeshShape | None = None,
-                network=None) -> Prediction:
+def predict_for(
+    cfg, units: Units, aggregates: bool | None = None, shape: MeshShape | None = None, network=None
+) -> Prediction:
     """The prediction for a composed config (or another algorithm and mesh on its topology, or
     another network): the schedule (default A = 8) over the run's steps, the federated parameters,
     the reduce dtype, FedAvg mode and the topology's tiers (a `link: node` tier shared by the flows
@@ -367,14 +403,25 @@ def predict_for(cfg, units: Units, aggregates: bool | None = None, shape: MeshSh
     bandwidth = tier_bandwidth(network, shape, procs_per_node=cfg.topology.procs_per_node, leaders_only=leaders)
     on = tiers(network, shape)
     latency = {d: (on[d].get("latency_ms", 0.0) + on[d].get("delay_ms", 0.0)) / 1e3 for d in DIMS}
-    pred = predict(units, shape, bandwidth, every, mode, bucket_mb, cfg.fsdp.reshard_root_after_forward, latency,
-                   steps=planned_steps(cfg, shape.world), federated=federated,
-                   reduce_element_size=reduce_dtype.itemsize if reduce_dtype else None,
-                   streaming=StreamingConfig.from_algorithm(cfg.algorithm) if aggregates else None,
-                   quantizer=quantizer_of(cfg) if aggregates else None)
+    pred = predict(
+        units,
+        shape,
+        bandwidth,
+        every,
+        mode,
+        bucket_mb,
+        cfg.fsdp.reshard_root_after_forward,
+        latency,
+        steps=planned_steps(cfg, shape.world),
+        federated=federated,
+        reduce_element_size=reduce_dtype.itemsize if reduce_dtype else None,
+        streaming=StreamingConfig.from_algorithm(cfg.algorithm) if aggregates else None,
+        quantizer=quantizer_of(cfg) if aggregates else None,
+    )
     pred.capped = tuple(d for d in DIMS if on[d].get("link") == "node")
-    pred.flows = {d: crossing_flows(shape, d, cfg.topology.procs_per_node, leaders and d == "federation")
-                  for d in pred.capped}
+    pred.flows = {
+        d: crossing_flows(shape, d, cfg.topology.procs_per_node, leaders and d == "federation") for d in pred.capped
+    }
     pred.bandwidth = bandwidth
     return pred
 
@@ -382,8 +429,11 @@ def predict_for(cfg, units: Units, aggregates: bool | None = None, shape: MeshSh
 def quantizer_of(cfg) -> Quantizer | None:
     """algorithm.outer.quantize's Quantizer (None: not quantised)."""
     outer = cfg.algorithm.get("outer") or {}
-    return Quantizer(outer["quantize"], outer.get("quantize_block", OuterConfig.quantize_block)) \
-        if outer.get("quantize") else None
+    return (
+        Quantizer(outer["quantize"], outer.get("quantize_block", OuterConfig.quantize_block))
+        if outer.get("quantize")
+        else None
+    )
 
 
 def link_extra(cfg, units: Units, aggregates: bool | None = None, shape: MeshShape | None = None) -> float:
@@ -441,20 +491,30 @@ def table(cfg) -> list[dict]:
         pred = predict_for(cfg, units, bool(algorithms[key].aggregation), shape)
         bandwidth = pred.bandwidth
         paper_total, exact_total = sum(pred.paper.values()), sum(pred.exact.values())
-        rows.append({
-            "algorithm": name, "mesh": str(shape), "every": pred.every,
-            "aggregations_per_step": pred.aggregations_per_step,
-            **{f"B_{d}_gbit_s": bandwidth[d] * 8 / 1e9 for d in DIMS},
-            **{f"paper_{k}_s": v for k, v in pred.paper.items()}, "paper_total_s": paper_total,
-            **{f"exact_{k}_s": v for k, v in pred.exact.items()}, "exact_total_s": exact_total,
-            "exact_over_paper": exact_total / paper_total if paper_total else None,
-            **{f"bytes_{d}_per_step": pred.bytes_per_step[d] for d in DIMS},
-            "measured_step_s": measured.get(name),
-            "gloo_total_s": sum(pred.gloo.values()), "gloo_capped_s": pred.capped_time() if pred.capped else None,
-            # algorithm.streaming: the largest fragment's share of one whole-model aggregation's bytes
-            "peak_share": (pred.peak_aggregation_bytes / pred.aggregation_bytes["federation"]
-                           if pred.aggregation_bytes.get("federation") else None),
-        })
+        rows.append(
+            {
+                "algorithm": name,
+                "mesh": str(shape),
+                "every": pred.every,
+                "aggregations_per_step": pred.aggregations_per_step,
+                **{f"B_{d}_gbit_s": bandwidth[d] * 8 / 1e9 for d in DIMS},
+                **{f"paper_{k}_s": v for k, v in pred.paper.items()},
+                "paper_total_s": paper_total,
+                **{f"exact_{k}_s": v for k, v in pred.exact.items()},
+                "exact_total_s": exact_total,
+                "exact_over_paper": exact_total / paper_total if paper_total else None,
+                **{f"bytes_{d}_per_step": pred.bytes_per_step[d] for d in DIMS},
+                "measured_step_s": measured.get(name),
+                "gloo_total_s": sum(pred.gloo.values()),
+                "gloo_capped_s": pred.capped_time() if pred.capped else None,
+                # algorithm.streaming: the largest fragment's share of one whole-model aggregation's bytes
+                "peak_share": (
+                    pred.peak_aggregation_bytes / pred.aggregation_bytes["federation"]
+                    if pred.aggregation_bytes.get("federation")
+                    else None
+                ),
+            }
+        )
     return rows
 
 
@@ -469,7 +529,7 @@ def _byte_unit(values) -> tuple[str, float]:
     return next(((u, f) for u, f in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)) if top >= f), ("B", 1.0))
 
 
-def _table(title: str, columns: list[tuple[str, list]], rows) -> "rich.table.Table":  # noqa: F821
+def _table(title: str, columns: list[tuple[str, list]], rows) -> rich.table.Table:  # noqa: F821
     from rich import box
     from rich.table import Table
 
@@ -483,10 +543,15 @@ def _table(title: str, columns: list[tuple[str, list]], rows) -> "rich.table.Tab
 
 
 def _time_columns(rows, prefix: str) -> list[tuple[str, list]]:
-    def col(key): return [r[f"{prefix}_{key}_s"] for r in rows]  # noqa: E704
-    return [("shard [s]", col("shard")), ("replicate [s]", col("replicate")),
-            ("federation + broadcast [s]", [a + b for a, b in zip(col("federation"), col("broadcast"))]),
-            ("total [s]", col("total"))]
+    def col(key):
+        return [r[f"{prefix}_{key}_s"] for r in rows]  # noqa: E704
+
+    return [
+        ("shard [s]", col("shard")),
+        ("replicate [s]", col("replicate")),
+        ("federation + broadcast [s]", [a + b for a, b in zip(col("federation"), col("broadcast"))]),
+        ("total [s]", col("total")),
+    ]
 
 
 INNERMOST_FIRST = tuple(reversed(DIMS))  # shard, replicate, federation: the time columns' order
@@ -494,9 +559,11 @@ INNERMOST_FIRST = tuple(reversed(DIMS))  # shard, replicate, federation: the tim
 
 def tables(cfg, rows) -> list:
     """fldp-cost's report as rich tables, each narrow enough for a 100-column terminal."""
-    mesh = [("mesh FxRxS", [r["mesh"] for r in rows]),
-            *[(f"B {d} [Gbit/s]", [r[f"B_{d}_gbit_s"] for r in rows]) for d in INNERMOST_FIRST],
-            ("aggregations / step", [r["aggregations_per_step"] for r in rows])]
+    mesh = [
+        ("mesh FxRxS", [r["mesh"] for r in rows]),
+        *[(f"B {d} [Gbit/s]", [r[f"B_{d}_gbit_s"] for r in rows]) for d in INNERMOST_FIRST],
+        ("aggregations / step", [r["aggregations_per_step"] for r in rows]),
+    ]
     if any(r["measured_step_s"] is not None for r in rows):
         mesh.append(("paper's step [s]", [r["measured_step_s"] for r in rows]))
     exact = _time_columns(rows, "exact") + [("exact / paper [x]", [r["exact_over_paper"] for r in rows])]
@@ -504,15 +571,24 @@ def tables(cfg, rows) -> list:
     sent = [(f"{d} [{unit}]", [r[f"bytes_{d}_per_step"] / scale for r in rows]) for d in INNERMOST_FIRST]
     if (cfg.algorithm.get("streaming") or {}).get("fragments", 1) > 1:
         sent.append(("peak fragment share [fraction]", [r["peak_share"] for r in rows]))
-    out = [_table("Mesh and bandwidth per rank", mesh, rows),
-           _table("Communication time per training step, 'paper': Eq. 1-5 as printed", _time_columns(rows, "paper"),
-                  rows),
-           _table("Communication time per training step, 'exact': bytes a ring collective sends per rank / B",
-                  exact, rows)]
+    out = [
+        _table("Mesh and bandwidth per rank", mesh, rows),
+        _table("Communication time per training step, 'paper': Eq. 1-5 as printed", _time_columns(rows, "paper"), rows),
+        _table(
+            "Communication time per training step, 'exact': bytes a ring collective sends per rank / B", exact, rows
+        ),
+    ]
     if any(r["gloo_capped_s"] is not None for r in rows):  # a netns topology
-        out.append(_table("Communication time per training step with gloo's collectives (see below)",
-                          [("total [s]", [r["gloo_total_s"] for r in rows]),
-                           ("on the capped link [s]", [r["gloo_capped_s"] for r in rows])], rows))
+        out.append(
+            _table(
+                "Communication time per training step with gloo's collectives (see below)",
+                [
+                    ("total [s]", [r["gloo_total_s"] for r in rows]),
+                    ("on the capped link [s]", [r["gloo_capped_s"] for r in rows]),
+                ],
+                rows,
+            )
+        )
     return out + [_table("Bytes sent per rank per training step ('exact')", sent, rows)]
 
 
@@ -520,19 +596,24 @@ def _print_table(cfg, rows) -> None:
     from rich.console import Console
 
     console = Console(highlight=False, markup=False)  # "[s]" is a unit, not a style
-    console.print(f"fldp-cost: model={cfg.model.name} ({cfg.trainer.precision}), topology={cfg.topology.name}, "
-                  f"A={cfg.algorithm.every or 8}. Aggregations are amortised over the run's steps.\n")
+    console.print(
+        f"fldp-cost: model={cfg.model.name} ({cfg.trainer.precision}), topology={cfg.topology.name}, "
+        f"A={cfg.algorithm.every or 8}. Aggregations are amortised over the run's steps.\n"
+    )
     for t in tables(cfg, rows):
         console.print(t)
     if any(r["measured_step_s"] is not None for r in rows):
         console.print("paper's step: the whole training step the paper measured (its Table 4, overall).")
     if (cfg.algorithm.get("streaming") or {}).get("fragments", 1) > 1:
-        console.print("peak fragment share: the largest streaming fragment's bytes per aggregation / the whole "
-                      "model's.")
+        console.print(
+            "peak fragment share: the largest streaming fragment's bytes per aggregation / the whole model's."
+        )
     if any(r["gloo_capped_s"] is not None for r in rows):
-        console.print("B of a `link: node` tier: the node's link / the flows crossing it at once. gloo: 'exact' "
-                      "with gloo's reduce-scatter (an all-reduce) and broadcast (flat), plus latency_ms per "
-                      "collective.")
+        console.print(
+            "B of a `link: node` tier: the node's link / the flows crossing it at once. gloo: 'exact' "
+            "with gloo's reduce-scatter (an all-reduce) and broadcast (flat), plus latency_ms per "
+            "collective."
+        )
     console.print("--csv or --json: every number unrounded, one row per algorithm (docs/communication.md).")
 
 
@@ -557,8 +638,13 @@ def main() -> None:
 
     output = _output_format(sys.argv)
     # a calculation, not a run: no output directory, no log file
-    sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none",
-                 "hydra/help=fldp_cost"]
+    sys.argv += [
+        "hydra.run.dir=.",
+        "hydra.output_subdir=null",
+        "hydra/job_logging=none",
+        "hydra/hydra_logging=none",
+        "hydra/help=fldp_cost",
+    ]
 
     from . import CONF
 

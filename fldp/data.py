@@ -14,6 +14,7 @@ the SLURM pre-flight (fldp/preflight.py) refuses it, so no job tokenises on its 
 `python -m fldp.data [overrides]` makes the cache of a run's dataset here (a login node), with the
 same Hydra overrides as `python -m fldp.train`, and prints where it is and its block counts.
 """
+
 from __future__ import annotations
 
 import glob
@@ -41,8 +42,8 @@ log = logging.getLogger("fldp")
 @dataclass
 class Blocks:
     train: torch.Tensor  # (N, block_size) int32
-    eval: torch.Tensor   # (M, block_size) int32
-    vocab_size: int      # the tokenizer's, incl. special tokens
+    eval: torch.Tensor  # (M, block_size) int32
+    vocab_size: int  # the tokenizer's, incl. special tokens
     cache: Path | None = None  # the file they were read from or saved to
 
 
@@ -66,8 +67,9 @@ def hub_unreachable() -> str | None:
             return f"{name}={os.environ[name]} (offline mode)"
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")  # as huggingface_hub reads it
     try:
-        with urllib.request.urlopen(urllib.request.Request(f"{endpoint}/", method="HEAD"),
-                                    timeout=HUB_PROBE_TIMEOUT_S) as response:
+        with urllib.request.urlopen(
+            urllib.request.Request(f"{endpoint}/", method="HEAD"), timeout=HUB_PROBE_TIMEOUT_S
+        ) as response:
             status = response.status
     except urllib.error.HTTPError as e:  # an answer all the same
         status = e.code
@@ -99,18 +101,23 @@ def load_tokenizer(path: str, setting: str = "dataset.tokenizer"):
         raise ConfigError(f"dataset.tokenizer={path}: no such tokenizer directory")
     hub_down = None if looks_local(path) else hub_unreachable()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(local.expanduser()) if local.exists() else path,
-                                                  local_files_only=hub_down is not None)
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(local.expanduser()) if local.exists() else path, local_files_only=hub_down is not None
+        )
     except Exception as e:  # a broken directory, a hub id the hub lacks, or no network
         if hub_down:
-            raise ConfigError(f"dataset.tokenizer={path}: a hub id, but {hub_down}, and the Hugging Face cache "
-                              f"holds no copy of it: set {setting} to a local directory holding the tokenizer") from e
+            raise ConfigError(
+                f"dataset.tokenizer={path}: a hub id, but {hub_down}, and the Hugging Face cache "
+                f"holds no copy of it: set {setting} to a local directory holding the tokenizer"
+            ) from e
         raise ConfigError(f"dataset.tokenizer={path}: cannot load a tokenizer ({type(e).__name__}: {e})") from e
     if tokenizer.eos_token_id is None:  # documents are concatenated with EOS between them
         config = local.expanduser() / "tokenizer_config.json"
         hint = f" ({config.name} is missing from the directory)" if local.exists() and not config.exists() else ""
-        raise ConfigError(f"dataset.tokenizer={path}: the tokenizer has no end-of-sequence token{hint}, so "
-                          f"documents would run together")
+        raise ConfigError(
+            f"dataset.tokenizer={path}: the tokenizer has no end-of-sequence token{hint}, so "
+            f"documents would run together"
+        )
     return tokenizer
 
 
@@ -153,8 +160,7 @@ def _documents(data_cfg, split: str):
     files = dict(data_cfg.data_files) if data_cfg.data_files else None
     source, field, count = _source(data_cfg, split), data_cfg.text_field, 0
     try:
-        stream = load_dataset(data_cfg.path, name=data_cfg.config_name, data_files=files, split=split,
-                              streaming=True)
+        stream = load_dataset(data_cfg.path, name=data_cfg.config_name, data_files=files, split=split, streaming=True)
         for count, row in enumerate(stream, 1):
             text = row.get(field)
             if text is None:  # absent from the file, or from this one document
@@ -172,8 +178,9 @@ def _documents(data_cfg, split: str):
         raise ConfigError(f"{source}: no documents (an empty file or split)")
 
 
-def tokenize_blocks(tokenizer, documents, block_size: int, max_blocks: int | None,
-                    batch_docs: int = 512) -> torch.Tensor:
+def tokenize_blocks(
+    tokenizer, documents, block_size: int, max_blocks: int | None, batch_docs: int = 512
+) -> torch.Tensor:
     """Concatenate tokenised documents and cut full blocks; stops reading once max_blocks are full."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     need = None if max_blocks is None else max_blocks * block_size
@@ -207,15 +214,20 @@ def source_fingerprint(data_cfg):
     data_files, or the files of a local dataset.path directory (hidden ones and the cache itself
     left out). None for a hub dataset, which cannot be fingerprinted from here."""
     if data_cfg.data_files:
-        return {split: [_stat(p, str(p)) for p in local_files(str(path))]
-                for split, path in data_cfg.data_files.items()}
+        return {
+            split: [_stat(p, str(p)) for p in local_files(str(path))] for split, path in data_cfg.data_files.items()
+        }
     root = Path(str(data_cfg.path)).expanduser()
     if not root.is_dir():
         return None
     cache_dir = Path(os.path.expanduser(str(data_cfg.cache_dir))).resolve()
-    files = (p for p in sorted(root.rglob("*")) if p.is_file()
-             and not any(part.startswith(".") for part in p.relative_to(root).parts)
-             and not p.resolve().is_relative_to(cache_dir))
+    files = (
+        p
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+        and not any(part.startswith(".") for part in p.relative_to(root).parts)
+        and not p.resolve().is_relative_to(cache_dir)
+    )
     return [_stat(p, str(p.relative_to(root))) for p in files]
 
 
@@ -229,11 +241,17 @@ def cache_entry(data_cfg, tokenizer) -> tuple[Path, dict]:
     """The cache file of these blocks and what it is made from (stored in it; its name hashes it).
     JSON-normalised, so that it compares equal to what a file recorded."""
     fields = OmegaConf.to_container(data_cfg, resolve=True)
-    made_from = json.loads(json.dumps({
-        "data": {k: v for k, v in fields.items() if k not in ("cache_dir", "name")},
-        "tokenizer": _tokenizer_fingerprint(tokenizer),
-        "source": source_fingerprint(data_cfg),
-    }, sort_keys=True, default=str))
+    made_from = json.loads(
+        json.dumps(
+            {
+                "data": {k: v for k, v in fields.items() if k not in ("cache_dir", "name")},
+                "tokenizer": _tokenizer_fingerprint(tokenizer),
+                "source": source_fingerprint(data_cfg),
+            },
+            sort_keys=True,
+            default=str,
+        )
+    )
     key = hashlib.sha256(json.dumps(made_from, sort_keys=True).encode()).hexdigest()[:16]
     return Path(os.path.expanduser(str(data_cfg.cache_dir))) / f"{data_cfg.name}-{key}.pt", made_from
 
@@ -246,8 +264,11 @@ def _differences(recorded, expected: dict) -> str:
     if not isinstance(recorded, dict):
         return "it records nothing of what it was made from (an older fldp wrote it)"
     data = recorded.get("data") or {}
-    out = [f"dataset.{k}={data.get(k)!r} (now {expected['data'].get(k)!r})"
-           for k in sorted(set(data) | set(expected["data"])) if data.get(k) != expected["data"].get(k)]
+    out = [
+        f"dataset.{k}={data.get(k)!r} (now {expected['data'].get(k)!r})"
+        for k in sorted(set(data) | set(expected["data"]))
+        if data.get(k) != expected["data"].get(k)
+    ]
     if recorded.get("tokenizer") != expected["tokenizer"]:
         out.append("another tokenizer")
     if recorded.get("source") != expected["source"]:
@@ -266,8 +287,9 @@ def read_cache(path: Path, made_from: dict) -> dict | None:
     except Exception as e:  # truncated or not a cache file
         raise StaleCache(f"dataset.cache_dir: {path} cannot be read ({type(e).__name__}: {e})") from e
     if recorded != made_from:
-        raise StaleCache(f"dataset.cache_dir: {path} does not match this dataset and tokenizer: "
-                         f"{_differences(recorded, made_from)}")
+        raise StaleCache(
+            f"dataset.cache_dir: {path} does not match this dataset and tokenizer: {_differences(recorded, made_from)}"
+        )
     return saved
 
 
@@ -288,17 +310,28 @@ def prepare(data_cfg) -> Blocks:
         return Blocks(saved["train"], saved["eval"], saved["vocab_size"], cache)
     check_hub_dataset(data_cfg)
     splits = {}
-    for key, split, limit in (("train", data_cfg.train_split, data_cfg.train_blocks),
-                              ("eval", data_cfg.eval_split, data_cfg.eval_blocks)):
+    for key, split, limit in (
+        ("train", data_cfg.train_split, data_cfg.train_blocks),
+        ("eval", data_cfg.eval_split, data_cfg.eval_blocks),
+    ):
         splits[key] = tokenize_blocks(tokenizer, _documents(data_cfg, split), int(data_cfg.block_size), limit)
         if len(splits[key]) == 0:
-            raise ConfigError(f"dataset.{key}_split={split}: no full block of dataset.block_size={data_cfg.block_size} tokens "
-                              f"in {_source(data_cfg, split)} (empty or too small corpus)")
+            raise ConfigError(
+                f"dataset.{key}_split={split}: no full block of dataset.block_size={data_cfg.block_size} tokens "
+                f"in {_source(data_cfg, split)} (empty or too small corpus)"
+            )
     blocks = Blocks(splits["train"], splits["eval"], len(tokenizer), cache)
     cache.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=cache.parent, delete=False, suffix=".tmp") as f:
-        torch.save({"train": blocks.train, "eval": blocks.eval, "vocab_size": blocks.vocab_size,
-                    "made_from": json.dumps(made_from)}, f)
+        torch.save(
+            {
+                "train": blocks.train,
+                "eval": blocks.eval,
+                "vocab_size": blocks.vocab_size,
+                "made_from": json.dumps(made_from),
+            },
+            f,
+        )
     os.replace(f.name, cache)  # atomic: a concurrent reader never sees half a file
     return blocks
 
@@ -310,26 +343,28 @@ def check_hub_dataset(data_cfg) -> None:
     if data_cfg.data_files or looks_local(path):  # with data_files, dataset.path is a builder (json, ...)
         return
     if hub_down := hub_unreachable():
-        raise ConfigError(f"dataset.path={path}: a hub dataset, but {hub_down}: set {where_to_set(data_cfg, 'path')} "
-                          f"to a local copy (a directory of its data files)")
+        raise ConfigError(
+            f"dataset.path={path}: a hub dataset, but {hub_down}: set {where_to_set(data_cfg, 'path')} "
+            f"to a local copy (a directory of its data files)"
+        )
 
 
 class RankBatches:
     """This rank's batches: a disjoint, seeded slice of the blocks, `batch_size` per step.
     Epochs reshuffle (set_epoch); a short last batch is dropped."""
 
-    def __init__(self, blocks: torch.Tensor, batch_size: int, rank: int, world: int,
-                 seed: int, shuffle: bool = True):
+    def __init__(self, blocks: torch.Tensor, batch_size: int, rank: int, world: int, seed: int, shuffle: bool = True):
         self.blocks, self.batch_size = blocks, batch_size
-        self.sampler = DistributedSampler(range(len(blocks)), num_replicas=world, rank=rank,
-                                          shuffle=shuffle, seed=seed, drop_last=True)
+        self.sampler = DistributedSampler(
+            range(len(blocks)), num_replicas=world, rank=rank, shuffle=shuffle, seed=seed, drop_last=True
+        )
         self.per_epoch = len(self.sampler) // batch_size
 
     def epoch(self, epoch: int):
         self.sampler.set_epoch(epoch)
         indices = list(self.sampler)
         for i in range(self.per_epoch):
-            yield self.blocks[indices[i * self.batch_size:(i + 1) * self.batch_size]].long()
+            yield self.blocks[indices[i * self.batch_size : (i + 1) * self.batch_size]].long()
 
     def stream(self, skip: int = 0):
         """Endless batches, epoch after epoch, starting after the first `skip` (a resumed run)."""
@@ -356,9 +391,9 @@ class WorldBatches:
 
     def epoch(self, epoch: int):
         self.sampler.set_epoch(epoch)
-        order = torch.tensor(list(self.sampler))[:self.per_rank * self.world].view(self.per_rank, self.world).T
+        order = torch.tensor(list(self.sampler))[: self.per_rank * self.world].view(self.per_rank, self.world).T
         for i in range(self.per_epoch):
-            yield self.blocks[order[:, i * self.batch_size:(i + 1) * self.batch_size]].long()
+            yield self.blocks[order[:, i * self.batch_size : (i + 1) * self.batch_size]].long()
 
     def stream(self):
         """Endless batches, epoch after epoch."""
@@ -388,9 +423,11 @@ def main() -> None:
         except ConfigError as e:
             print(f"fldp: config error: {e}", file=sys.stderr)
             sys.exit(2)
-        print(f"{blocks.cache}\ndataset {d.name}: {len(blocks.train)} train and {len(blocks.eval)} eval blocks "
-              f"of {d.block_size} tokens (asked: {d.train_blocks or 'all'} and {d.eval_blocks or 'all'}), "
-              f"vocabulary {blocks.vocab_size}")
+        print(
+            f"{blocks.cache}\ndataset {d.name}: {len(blocks.train)} train and {len(blocks.eval)} eval blocks "
+            f"of {d.block_size} tokens (asked: {d.train_blocks or 'all'} and {d.eval_blocks or 'all'}), "
+            f"vocabulary {blocks.vocab_size}"
+        )
 
     _run()
 

@@ -19,6 +19,7 @@ often than that, or a group fails with no live peer left to heal from: `run_loca
 ranks (on emulated nodes too); under SLURM, `run_slurm`, the one task of the run's job, starts each
 group as a job step of that job (fldp.group_step).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,9 +51,10 @@ HEARTBEAT_TIMEOUT_S = 2.0
 @dataclass(frozen=True)
 class Member:
     """What a rank of an elastic run knows besides its group's own world."""
+
     group: int
-    restart: int        # 0: the group's first incarnation
-    lighthouse: str     # the lighthouse's address
+    restart: int  # 0: the group's first incarnation
+    lighthouse: str  # the lighthouse's address
 
 
 def check(cfg) -> None:
@@ -60,43 +62,57 @@ def check(cfg) -> None:
     if not cfg.algorithm.get("elastic"):
         return
     if cfg.algorithm.get("aggregation") != "fedavg":
-        raise ConfigError(f"algorithm.elastic=true: algorithm={cfg.algorithm.name} has no federation "
-                          "dimension to be elastic in (fl_fsdp, fl_hsdp, diloco_hsdp have)")
+        raise ConfigError(
+            f"algorithm.elastic=true: algorithm={cfg.algorithm.name} has no federation "
+            "dimension to be elastic in (fl_fsdp, fl_hsdp, diloco_hsdp have)"
+        )
     if cfg.cluster.name == "simulate":
-        raise ConfigError("algorithm.elastic=true on cluster=simulate: the simulator runs every group in one "
-                          "process, with nothing to fail apart")
+        raise ConfigError(
+            "algorithm.elastic=true on cluster=simulate: the simulator runs every group in one "
+            "process, with nothing to fail apart"
+        )
     if cfg.topology.device != "cpu":
-        raise ConfigError(f"algorithm.elastic=true on topology.device={cfg.topology.device}: only gloo (cpu) "
-                          "is supported so far")
+        raise ConfigError(
+            f"algorithm.elastic=true on topology.device={cfg.topology.device}: only gloo (cpu) is supported so far"
+        )
     federate = list(cfg.algorithm.get("federate") or [".*"])
     if federate != [".*"]:
-        raise ConfigError(f"algorithm.elastic=true with algorithm.federate={federate}: a healed group's "
-                          "parameters kept local would be copied from several peers, rank by rank; partial "
-                          "federation is not elastic yet")
+        raise ConfigError(
+            f"algorithm.elastic=true with algorithm.federate={federate}: a healed group's "
+            "parameters kept local would be copied from several peers, rank by rank; partial "
+            "federation is not elastic yet"
+        )
     streaming = StreamingConfig.from_algorithm(cfg.algorithm)
     if streaming.fragments != 1 or streaming.exchanges:
-        raise ConfigError(f"algorithm.elastic=true with algorithm.streaming.fragments={streaming.fragments}, "
-                          f"overlap={streaming.overlap}, alpha={streaming.alpha}: a restarted group heals at a "
-                          "whole-model aggregation taken as it is; streaming is not elastic yet")
+        raise ConfigError(
+            f"algorithm.elastic=true with algorithm.streaming.fragments={streaming.fragments}, "
+            f"overlap={streaming.overlap}, alpha={streaming.alpha}: a restarted group heals at a "
+            "whole-model aggregation taken as it is; streaming is not elastic yet"
+        )
     quantize = (cfg.algorithm.get("outer") or {}).get("quantize")
     if quantize:
-        raise ConfigError(f"algorithm.elastic=true with algorithm.outer.quantize={quantize}: the elastic "
-                          "aggregation is torchft's all-reduce over the groups alive; a quantised one is not built yet")
+        raise ConfigError(
+            f"algorithm.elastic=true with algorithm.outer.quantize={quantize}: the elastic "
+            "aggregation is torchft's all-reduce over the groups alive; a quantised one is not built yet"
+        )
     if cfg.trainer.checkpoint_every or cfg.trainer.resume:
-        raise ConfigError(f"algorithm.elastic=true with trainer.checkpoint_every={cfg.trainer.checkpoint_every}, "
-                          f"trainer.resume={cfg.trainer.resume}: a failed group heals from a live peer; "
-                          "checkpoints of elastic runs are not built yet")
+        raise ConfigError(
+            f"algorithm.elastic=true with trainer.checkpoint_every={cfg.trainer.checkpoint_every}, "
+            f"trainer.resume={cfg.trainer.resume}: a failed group heals from a live peer; "
+            "checkpoints of elastic runs are not built yet"
+        )
     if cfg.comm.emulate:
-        raise ConfigError("algorithm.elastic=true with comm.emulate=true: the sleeps stand for the static "
-                          "collectives only; emulate the network with a netns topology (e.g. topology=netns_4x2)")
+        raise ConfigError(
+            "algorithm.elastic=true with comm.emulate=true: the sleeps stand for the static "
+            "collectives only; emulate the network with a netns topology (e.g. topology=netns_4x2)"
+        )
 
 
 class Federation:
     """The cross-group side of FedAvg over torchft's Manager, on one rank: the quorum of live
     groups, a mean over its participants, and the commit. `track` names what a peer's heal copies."""
 
-    def __init__(self, member: Member, rank: int, group_size: int, store_addr: str, store_port: int,
-                 timeout_s: float):
+    def __init__(self, member: Member, rank: int, group_size: int, store_addr: str, store_port: int, timeout_s: float):
         from torchft import Manager, ProcessGroupGloo
 
         self.member = member
@@ -105,11 +121,19 @@ class Federation:
         self.healed = False  # whether it loaded one in the last aggregation
         timeout = timedelta(seconds=timeout_s)
         self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self._load, state_dict=self._state,
-            min_replica_size=1, use_async_quorum=True, timeout=timeout,
+            pg=ProcessGroupGloo(timeout=timeout),
+            load_state_dict=self._load,
+            state_dict=self._state,
+            min_replica_size=1,
+            use_async_quorum=True,
+            timeout=timeout,
             quorum_timeout=timedelta(seconds=max(timeout_s, 2 * JOIN_TIMEOUT_S)),
-            rank=rank, world_size=group_size, store_addr=store_addr, store_port=store_port,
-            lighthouse_addr=member.lighthouse, replica_id=f"group_{member.group}",
+            rank=rank,
+            world_size=group_size,
+            store_addr=store_addr,
+            store_port=store_port,
+            lighthouse_addr=member.lighthouse,
+            replica_id=f"group_{member.group}",
             init_sync=False,  # every group starts from the same weights (fldp.init: the seed alone)
         )
 
@@ -144,7 +168,8 @@ class Federation:
         model, optimizer, scheduler, fedavg, position = self.tracked
         names = {p: n for n, p in model.named_parameters()}
         return {
-            "group": self.member.group, "step": position["step"],
+            "group": self.member.group,
+            "step": position["step"],
             "model": {n: _local(p) for n, p in model.named_parameters()},
             "optimizer": {names[p]: {k: _local(v) for k, v in s.items()} for p, s in optimizer.state.items()},
             "scheduler": scheduler.state_dict(),
@@ -179,8 +204,9 @@ def _like(param, local: torch.Tensor):
     if hasattr(param, "_local_tensor"):
         from torch.distributed.tensor import DTensor
 
-        return DTensor.from_local(local.clone(), param.device_mesh, param.placements,
-                                  shape=param.shape, stride=param.stride())
+        return DTensor.from_local(
+            local.clone(), param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+        )
     return local.clone()
 
 
@@ -202,6 +228,7 @@ def quiet_torchft() -> None:
 
 # ---- the launchers: the lighthouse and the groups, each group restarted when it fails ----
 
+
 def _lighthouse(out, parent: int, network) -> None:
     from . import launch
 
@@ -212,8 +239,12 @@ def _lighthouse(out, parent: int, network) -> None:
         network.enter(0)
     from torchft.coordination import LighthouseServer
 
-    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=int(JOIN_TIMEOUT_S * 1000),
-                              heartbeat_timeout_ms=int(HEARTBEAT_TIMEOUT_S * 1000))
+    server = LighthouseServer(
+        bind="[::]:0",
+        min_replicas=1,
+        join_timeout_ms=int(JOIN_TIMEOUT_S * 1000),
+        heartbeat_timeout_ms=int(HEARTBEAT_TIMEOUT_S * 1000),
+    )
     out.put(server.address())
     while True:
         signal.pause()
@@ -257,10 +288,28 @@ def run_local(fn, args: tuple, shape, cluster_cfg, run_dir: str, network=None) -
             port = network.port + 1 + group.index + shape.federation * group.restart
         member = Member(group.index, group.restart, lighthouse)
         errors = ctx.SimpleQueue()
-        group.procs = [ctx.Process(target=launch._local_worker, name=f"fldp-group{group.index}-rank{i}", args=(
-            i, fn, (*args, member), shape.group_size, addr, port, "cpu", cluster_cfg.timeout_s,
-            cluster_cfg.threads_per_worker, errors, os.getpid(), network, place))
-            for i in range(shape.group_size)]
+        group.procs = [
+            ctx.Process(
+                target=launch._local_worker,
+                name=f"fldp-group{group.index}-rank{i}",
+                args=(
+                    i,
+                    fn,
+                    (*args, member),
+                    shape.group_size,
+                    addr,
+                    port,
+                    "cpu",
+                    cluster_cfg.timeout_s,
+                    cluster_cfg.threads_per_worker,
+                    errors,
+                    os.getpid(),
+                    network,
+                    place,
+                ),
+            )
+            for i in range(shape.group_size)
+        ]
         for p in group.procs:
             p.start()
         group.cause = lambda: _first_report(errors)
@@ -292,8 +341,7 @@ def _supervise(start, shape, cluster_cfg, run_dir: str, network=None) -> None:
     ctx = launch.mp.get_context("fork")
     events = Path(run_dir) / "elastic_events.jsonl"
     out = ctx.SimpleQueue()
-    lighthouse = ctx.Process(target=_lighthouse, name="fldp-lighthouse", args=(out, os.getpid(), network),
-                             daemon=True)
+    lighthouse = ctx.Process(target=_lighthouse, name="fldp-lighthouse", args=(out, os.getpid(), network), daemon=True)
     groups = [_Group(g) for g in range(shape.federation)]
     every = [lighthouse]  # every process started, for the interrupt handler
     restart_failed = cluster_cfg.get("restart_failed_groups", True)
@@ -311,8 +359,10 @@ def _supervise(start, shape, cluster_cfg, run_dir: str, network=None) -> None:
                 begin(group, address)
             while not interrupts.signum:
                 if lighthouse.exitcode is not None:
-                    raise WorkerError(f"the torchft lighthouse died (exit code {lighthouse.exitcode}): "
-                                      "the groups can no longer form a quorum")
+                    raise WorkerError(
+                        f"the torchft lighthouse died (exit code {lighthouse.exitcode}): "
+                        "the groups can no longer form a quorum"
+                    )
                 failed = next(((g, p) for g in groups for p in g.procs if p.exitcode not in (None, 0)), None)
                 if failed:
                     _failed(*failed, groups, events, restart_failed, max_restarts, launch)
@@ -320,8 +370,7 @@ def _supervise(start, shape, cluster_cfg, run_dir: str, network=None) -> None:
                     continue
                 if all(g.finished for g in groups):
                     break
-                wait([lighthouse.sentinel, *(p.sentinel for g in groups for p in g.alive() if p.sentinel)],
-                     timeout=1.0)
+                wait([lighthouse.sentinel, *(p.sentinel for g in groups for p in g.alive() if p.sentinel)], timeout=1.0)
         finally:
             launch._stop([p for p in every if p.pid is not None])
     if interrupts.signum:
@@ -336,27 +385,41 @@ def _failed(group: _Group, proc, groups: list, events: Path, restart_failed: boo
     how = launch.ended(proc.exitcode)
     # how every process ended comes first: a rank killed outright leaves no error, and the first
     # error reported may be a peer's lost connection, raised before that rank's death was seen
-    ends = (", ".join(f"rank {r} {launch.ended(p.exitcode)}" for r, p in enumerate(group.procs)
-                      if p.exitcode is not None)
-            if len(group.procs) > 1 else f"its job step ended with {how}")
+    ends = (
+        ", ".join(f"rank {r} {launch.ended(p.exitcode)}" for r, p in enumerate(group.procs) if p.exitcode is not None)
+        if len(group.procs) > 1
+        else f"its job step ended with {how}"
+    )
     report = group.cause()
     cause = f"{ends}; the first error reported:\n{report}" if report else f"{ends}, without a Python error"
     others_running = any(not g.finished for g in groups if g is not group)
     restarting = restart_failed and group.restart < max_restarts and others_running
-    event = {"event": "failure", "time": noticed, "group": group.index, "incarnation": group.restart,
-             "rank": rank if len(group.procs) > 1 else None, "exit": how, "restarted": restarting}
+    event = {
+        "event": "failure",
+        "time": noticed,
+        "group": group.index,
+        "incarnation": group.restart,
+        "rank": rank if len(group.procs) > 1 else None,
+        "exit": how,
+        "restarted": restarting,
+    }
     with contextlib.suppress(OSError):  # a disk that refuses it: the failure is still reported, below or by a heal row
         with events.open("a") as f:
             f.write(json.dumps(event) + "\n")
     if not restarting:
-        why = ("cluster.restart_failed_groups=false" if not restart_failed
-               else f"it failed {group.restart + 1} times (cluster.max_restarts={max_restarts})"
-               if group.restart >= max_restarts else "no other group is left to heal it from")
+        why = (
+            "cluster.restart_failed_groups=false"
+            if not restart_failed
+            else f"it failed {group.restart + 1} times (cluster.max_restarts={max_restarts})"
+            if group.restart >= max_restarts
+            else "no other group is left to heal it from"
+        )
         raise WorkerError(f"federation group {group.index} failed and is not restarted ({why}):\n{cause}")
     group.restart += 1
 
 
 # ---- under SLURM: each group a job step of the run's one job, the lighthouse on its first node ----
+
 
 class _Step:
     """A group's job step, as the supervisor watches a process: its srun."""
@@ -415,8 +478,13 @@ def run_slurm(cfg, run_dir: str, shape) -> None:
         # each group's store on its own first node (fldp.launch.rendezvous), at a port of its own
         env["MASTER_PORT"] = str(group_step_port(shape, job_id, group.index, group.restart))
         with log_path.open("w") as out:
-            popen = subprocess.Popen(group_step_command(shape, cfg.topology, group.index, group.restart, spec, lighthouse),
-                                     stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            popen = subprocess.Popen(
+                group_step_command(shape, cfg.topology, group.index, group.restart, spec, lighthouse),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
         group.procs = [_Step(popen)]
         group.cause = lambda: _tail(log_path)
 

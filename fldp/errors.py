@@ -2,6 +2,7 @@
 work (exit 2, before any worker starts), a worker that failed (exit 1), a record or checkpoint that
 could not be written (exit 1) and a launcher told to stop (exit 128 + the signal's number).
 fldp.mesh and fldp.launch re-export the first two under their old names."""
+
 import signal
 
 

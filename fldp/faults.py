@@ -7,6 +7,7 @@ quorum), inside it (`allreduce`: in the quorum, before the all-reduce) or as the
 (`start`, no step). A restarted group's ranks fail again only with repeat=true. Each rank prints
 the moment it dies (unix time) on stderr first: the benchmark's start of a failure.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,7 +26,14 @@ def strike(group: int, incarnation: int, step: int | None, at: str) -> None:
     fields = dict(part.split("=", 1) for part in spec.split(","))
     if incarnation and fields.get("repeat") != "true":
         return
-    if int(fields["group"]) == group and fields.get("at", "step") == at and (at == "start" or int(fields["step"]) == step):
-        print(f"fldp: {VARIABLE} kills group {group} at {at} {step} (unix time {time.time():.3f})",
-              file=sys.stderr, flush=True)
+    if (
+        int(fields["group"]) == group
+        and fields.get("at", "step") == at
+        and (at == "start" or int(fields["step"]) == step)
+    ):
+        print(
+            f"fldp: {VARIABLE} kills group {group} at {at} {step} (unix time {time.time():.3f})",
+            file=sys.stderr,
+            flush=True,
+        )
         os.kill(os.getpid(), signal.SIGKILL)

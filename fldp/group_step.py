@@ -2,6 +2,7 @@
 federation group, a task of the group's SLURM job step (started by fldp.elastic.run_slurm). Its
 process group is the step's tasks, its rendezvous the step's first node (fldp.launch.rendezvous,
 MASTER_PORT from the supervisor); SPEC is the pickled (config, run directory) of the run."""
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,9 @@ def main(argv: list[str]) -> int:
     with open(spec, "rb") as f:
         cfg, run_dir = pickle.load(f)
     env = os.environ
-    rank = launch.RankEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env["SLURM_LOCALID"]),
-                          *launch.rendezvous(env))
+    rank = launch.RankEnv(
+        int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env["SLURM_LOCALID"]), *launch.rendezvous(env)
+    )
     os.environ.update(MASTER_ADDR=rank.master_addr, MASTER_PORT=str(rank.master_port))  # torchft's store too
     device = launch.init_process_group(rank, cfg.topology.device, cfg.cluster.timeout_s)
     blocks = prepare(cfg.dataset)  # the token cache the pre-flight found: read, not made

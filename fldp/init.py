@@ -12,6 +12,7 @@ in any vectorised or scalar loop, whereas library log and cos may differ by an u
 and a kernel's vector body and tail. Llama's distributions: N(0, initializer_range) for linear and
 embedding weights, ones for RMSNorm, zeros for biases.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -20,10 +21,10 @@ import math
 import torch
 
 _M32 = 0xFFFFFFFF
-_CHUNK = 1 << 22   # elements per pass: bounds the float64 temporaries (~32 MiB each)
+_CHUNK = 1 << 22  # elements per pass: bounds the float64 temporaries (~32 MiB each)
 # Series truncated at ~1e-14 relative error, far below the fp32/bf16 rounding of the result; what
 # matters is that the same operations run everywhere, not the last digits.
-_LOG_TERMS = [1.0 / (2 * k + 1) for k in range(9)]           # ln m = 2 t sum t^2k/(2k+1), t^2 < 0.03
+_LOG_TERMS = [1.0 / (2 * k + 1) for k in range(9)]  # ln m = 2 t sum t^2k/(2k+1), t^2 < 0.03
 _COS_TERMS = [(-1) ** k / math.factorial(2 * k) for k in range(11)]  # cos x = sum (-1)^k x^2k/(2k)!, x <= pi/2
 
 
@@ -38,7 +39,7 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 def _keys(seed: int, name: str) -> list[int]:
     digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
-    return [int.from_bytes(digest[4 * i:4 * i + 4], "little") for i in range(4)]
+    return [int.from_bytes(digest[4 * i : 4 * i + 4], "little") for i in range(4)]
 
 
 def _polynomial(x: torch.Tensor, coefficients: list[float]) -> torch.Tensor:
@@ -62,7 +63,7 @@ def _log(u: torch.Tensor) -> torch.Tensor:
 def _cos_2pi(h: torch.Tensor) -> torch.Tensor:
     """cos(2 pi h / 2**32) of 32-bit integers h: the top 2 bits pick the quadrant, the other 30 the
     angle in it, folded into [0, pi/2] where the Taylor series converges fast."""
-    quadrant, fraction = h >> 30, (h & (2**30 - 1)).to(torch.float64) * 2.0 ** -30
+    quadrant, fraction = h >> 30, (h & (2**30 - 1)).to(torch.float64) * 2.0**-30
     angle = torch.where((quadrant & 1).bool(), 1 - fraction, fraction) * (math.pi / 2)
     sign = torch.where((quadrant == 1) | (quadrant == 2), -1.0, 1.0).to(torch.float64)
     return sign * _polynomial(angle * angle, _COS_TERMS)
@@ -74,7 +75,7 @@ def standard_normal(seed: int, name: str, start: int, count: int, device) -> tor
     i = torch.arange(start, start + count, dtype=torch.int64, device=device)
     a = _mix32(_mix32((i & _M32) ^ k0) ^ (i >> 32) ^ k1)
     h1, h2 = _mix32(a ^ k2), _mix32(a ^ k3)
-    u1 = (h1.to(torch.float64) + 0.5) * 2.0 ** -32          # (0, 1): the radius never sees log(0)
+    u1 = (h1.to(torch.float64) + 0.5) * 2.0**-32  # (0, 1): the radius never sees log(0)
     return torch.sqrt(-2 * _log(u1)) * _cos_2pi(h2)
 
 
@@ -103,7 +104,7 @@ def fill_normal(param, seed: int, name: str, std: float) -> None:
     for begin in range(0, flat.numel(), _CHUNK):
         count = min(_CHUNK, flat.numel() - begin)
         values = standard_normal(seed, name, start + begin, count, flat.device) * std
-        flat[begin:begin + count].copy_(values)  # one rounding, to the parameter's dtype
+        flat[begin : begin + count].copy_(values)  # one rounding, to the parameter's dtype
 
 
 @torch.no_grad()

@@ -1,5 +1,6 @@
 """Getting a process group: either this process is one rank of a world someone else started
 (torchrun, srun), or it forks the world's workers on this machine itself."""
+
 from __future__ import annotations
 
 import contextlib
@@ -42,11 +43,15 @@ def from_environment() -> RankEnv | None:
     MASTER_ADDR/MASTER_PORT if exported, else derived from the allocation. None when started by hand."""
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
-        return RankEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
-                       env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)))
+        return RankEnv(
+            int(env["RANK"]),
+            int(env["WORLD_SIZE"]),
+            int(env.get("LOCAL_RANK", 0)),
+            env.get("MASTER_ADDR", "127.0.0.1"),
+            int(env.get("MASTER_PORT", 29500)),
+        )
     if "SLURM_STEP_ID" in env and int(env.get("SLURM_NTASKS", 1)) > 1:
-        return RankEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env["SLURM_LOCALID"]),
-                       *rendezvous(env))
+        return RankEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env["SLURM_LOCALID"]), *rendezvous(env))
     return None
 
 
@@ -62,8 +67,7 @@ def first_node(nodelist: str) -> str:
 def rendezvous(environ=os.environ) -> tuple[str, int]:
     """MASTER_ADDR/MASTER_PORT when the job script exports them; otherwise the allocation's first
     node, and a port every task derives alike from the job id (no communication needed)."""
-    addr = environ.get("MASTER_ADDR") or first_node(
-        environ.get("SLURM_STEP_NODELIST") or environ["SLURM_JOB_NODELIST"])
+    addr = environ.get("MASTER_ADDR") or first_node(environ.get("SLURM_STEP_NODELIST") or environ["SLURM_JOB_NODELIST"])
     port = environ.get("MASTER_PORT") or _PORT_BASE + int(environ["SLURM_JOB_ID"]) % _PORT_SPAN
     return addr, int(port)
 
@@ -76,8 +80,13 @@ def init_process_group(env: RankEnv, device_type: str, timeout_s: float) -> torc
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
-                            rank=env.rank, world_size=env.world, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{env.master_addr}:{env.master_port}",
+        rank=env.rank,
+        world_size=env.world,
+        timeout=timedelta(seconds=timeout_s),
+    )
     return device
 
 
@@ -114,8 +123,9 @@ def _exit_on_signal(signum, frame):
 FORKED = False  # True in a worker run_local forked (summary.json: which network joined the ranks)
 
 
-def _local_worker(index, fn, args, world, addr, port, device_type, timeout_s, threads, errors, parent, network,
-                  place=0):
+def _local_worker(
+    index, fn, args, world, addr, port, device_type, timeout_s, threads, errors, parent, network, place=0
+):
     """Rank `index` of a world of `world`; on emulated nodes it runs on the node of rank
     `place + index` of the whole run (an elastic run's group is a world of its own)."""
     global FORKED
@@ -137,8 +147,9 @@ def _local_worker(index, fn, args, world, addr, port, device_type, timeout_s, th
             network.enter(place + index)
         # Each of the N workers gets its own slice of the cores.
         torch.set_num_threads(threads)
-        os.environ.update(RANK=str(index), WORLD_SIZE=str(world), LOCAL_RANK=str(index),
-                          MASTER_ADDR=addr, MASTER_PORT=str(port))
+        os.environ.update(
+            RANK=str(index), WORLD_SIZE=str(world), LOCAL_RANK=str(index), MASTER_ADDR=addr, MASTER_PORT=str(port)
+        )
         device = init_process_group(RankEnv(index, world, index, addr, port), device_type, timeout_s)
         fn(*args, device)
     except BaseException as e:
@@ -172,9 +183,27 @@ def run_local(fn, args: tuple, world: int, device_type: str, cluster_cfg, networ
     stop_tqdm_monitors()
     ctx = mp.get_context("fork")
     errors = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_local_worker, name=f"fldp-rank{i}", args=(
-        i, fn, args, world, addr, port, device_type, cluster_cfg.timeout_s,
-        cluster_cfg.threads_per_worker, errors, os.getpid(), network)) for i in range(world)]
+    procs = [
+        ctx.Process(
+            target=_local_worker,
+            name=f"fldp-rank{i}",
+            args=(
+                i,
+                fn,
+                args,
+                world,
+                addr,
+                port,
+                device_type,
+                cluster_cfg.timeout_s,
+                cluster_cfg.threads_per_worker,
+                errors,
+                os.getpid(),
+                network,
+            ),
+        )
+        for i in range(world)
+    ]
     deaths = []  # (rank, exitcode) of the first workers seen to fail
     with _Interrupts(procs) as interrupts:
         try:
@@ -205,8 +234,7 @@ def run_local(fn, args: tuple, world: int, device_type: str, cluster_cfg, networ
     if failures:
         _, rank, report, plain = failures[0]
         others = f"\n({len(failures) - 1} other ranks failed after it)" if len(failures) > 1 else ""
-        raise WorkerError(f"rank {rank}: {report}{others}" if plain
-                          else f"rank {rank} failed first:\n{report}{others}")
+        raise WorkerError(f"rank {rank}: {report}{others}" if plain else f"rank {rank} failed first:\n{report}{others}")
 
 
 def stop_tqdm_monitors() -> None:

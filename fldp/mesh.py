@@ -5,6 +5,7 @@ sharding group, so with node-major ranks a sharding group of procs_per_node is o
 The four algorithms are four shapes of this mesh: each declares the dimensions it has
 (conf/algorithm/*.yaml `dims`); the others are pinned to 1.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -94,9 +95,7 @@ def build_mesh(shape: MeshShape, device_type: str):
     """The full 3-D DeviceMesh; needs an initialised default process group of shape.world ranks."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(
-        device_type, (shape.federation, shape.replicate, shape.shard), mesh_dim_names=DIMS
-    )
+    return init_device_mesh(device_type, (shape.federation, shape.replicate, shape.shard), mesh_dim_names=DIMS)
 
 
 def group_mesh(mesh, shape: MeshShape):

@@ -1,5 +1,6 @@
 """The model: transformers' Llama, built from a config with random init (the paper pre-trains from
 scratch), and sharded with FSDP2 per decoder layer and at the root."""
+
 from __future__ import annotations
 
 import re
@@ -55,8 +56,9 @@ def fsdp_unit(name: str) -> int:
     return int(m.group(1)) + 1 if m else 0
 
 
-def parallelize(model: LlamaForCausalLM, mesh, dtype: torch.dtype,
-                reshard_root_after_forward: bool = False) -> LlamaForCausalLM:
+def parallelize(
+    model: LlamaForCausalLM, mesh, dtype: torch.dtype, reshard_root_after_forward: bool = False
+) -> LlamaForCausalLM:
     """FSDP2 on each decoder layer, then the root (embeddings, final norm, lm_head; a tied
     lm_head shares the root's embedding parameter). A 2-D (replicate, shard) mesh makes it HSDP.
     Pure low precision as in the paper: the parameters themselves are cast, no mixed-precision

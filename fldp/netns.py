@@ -17,6 +17,7 @@ launcher dead: a launcher of this PID namespace, whose pid runs no process start
 /run/netns may be shared with containers of other PID namespaces, whose launchers' pids mean
 nothing here: theirs are left alone.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,19 +31,19 @@ from dataclasses import dataclass
 
 from .mesh import ConfigError
 
-IFACE = "fldp0"            # each node's interface, inside its namespace (names are per namespace)
-SUBNET = "10.77.0"         # addresses exist only inside the run's namespaces
-PORT = 29500               # rendezvous port on rank 0's node: its namespace is new, so the port is free
+IFACE = "fldp0"  # each node's interface, inside its namespace (names are per namespace)
+SUBNET = "10.77.0"  # addresses exist only inside the run's namespaces
+PORT = 29500  # rendezvous port on rank 0's node: its namespace is new, so the port is free
 _CLONE_NEWNET = 0x40000000
 _CLONE_NEWNS = 0x00020000
 _CLONE_NEWUTS = 0x04000000
 _MS_BIND, _MS_REC, _MS_SLAVE = 0x1000, 0x4000, 0x80000
-_RUN_DIR = "/run/netns"    # where `ip netns` keeps the namespaces' names
-_ETC_DIR = "/etc/netns"    # per-namespace files `ip netns exec` mounts over /etc (here: hosts)
+_RUN_DIR = "/run/netns"  # where `ip netns` keeps the namespaces' names
+_ETC_DIR = "/etc/netns"  # per-namespace files `ip netns exec` mounts over /etc (here: hosts)
 _NAME = re.compile(r"fldp-(\d+)-(\d+)-(\d+)-(n\d+|sw)$")  # launcher pid, PID namespace, start time
 log = logging.getLogger("fldp")
-_MTU = 9000                # jumbo frames, as on cluster fabrics: 0.7% header bytes instead of 4.6%
-_BURST = 32 * 1024         # tbf bucket: bytes a link may send at once after an idle spell
+_MTU = 9000  # jumbo frames, as on cluster fabrics: 0.7% header bytes instead of 4.6%
+_BURST = 32 * 1024  # tbf bucket: bytes a link may send at once after an idle spell
 # tbf queue, in time at the link's rate. Shallow, as a switch's: a deep one delays the ACKs of one
 # direction behind the other direction's data (measured: with 50-100 ms queues a 2-rank all-gather
 # took 1.5x its bytes / rate, with 20 ms it did not); deep enough that reno seldom drops
@@ -53,6 +54,7 @@ _CONGESTION = "reno"
 @dataclass(frozen=True)
 class Link:
     """One node's link to the switch, each direction capped alike."""
+
     mbit_s: float
     delay_ms: float = 0.0
 
@@ -66,18 +68,24 @@ def link_of(topology) -> Link:
     every error names its key."""
     network = topology.get("network") or []
     if len(network) < 2:
-        raise ConfigError(f"topology.network (topology={topology.name}): emulation=netns needs two tiers, "
-                          "the node (namespace loopback) and the inter-node link")
+        raise ConfigError(
+            f"topology.network (topology={topology.name}): emulation=netns needs two tiers, "
+            "the node (namespace loopback) and the inter-node link"
+        )
     i = len(network) - 1
     tier = network[i]
     key = f"topology.network[{i}]"
-    for field, value, ok in (("gbit_s", tier.get("gbit_s"), lambda v: v > 0),
-                             ("delay_ms", tier.get("delay_ms", 0), lambda v: v >= 0)):
+    for field, value, ok in (
+        ("gbit_s", tier.get("gbit_s"), lambda v: v > 0),
+        ("delay_ms", tier.get("delay_ms", 0), lambda v: v >= 0),
+    ):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
             raise ConfigError(f"{key}.{field}={value!r}: must be a number {'> 0' if field == 'gbit_s' else '>= 0'}")
     if tier.get("link") != "node":
-        raise ConfigError(f"{key}.link={tier.get('link')!r}: must be 'node' with topology.emulation=netns "
-                          "(the rate is each node's link, shared by its ranks)")
+        raise ConfigError(
+            f"{key}.link={tier.get('link')!r}: must be 'node' with topology.emulation=netns "
+            "(the rate is each node's link, shared by its ranks)"
+        )
     return Link(tier["gbit_s"] * 1e3, float(tier.get("delay_ms", 0)))
 
 
@@ -92,8 +100,10 @@ def check(cfg, forks_locally: bool) -> Link | None:
     link = link_of(topology)
     name = f"topology={topology.name} (emulation=netns)"
     if not forks_locally:
-        raise ConfigError(f"{name}: the emulated nodes exist only for workers this launcher forks "
-                          "(cluster=local, not under torchrun or srun)")
+        raise ConfigError(
+            f"{name}: the emulated nodes exist only for workers this launcher forks "
+            "(cluster=local, not under torchrun or srun)"
+        )
     if topology.device != "cpu":
         raise ConfigError(f"topology.device={topology.device!r}: {name} runs gloo on cpu")
     if cfg.comm.emulate:
@@ -107,12 +117,15 @@ def check(cfg, forks_locally: bool) -> Link | None:
 def missing_tools(name: str) -> None:
     """Root and iproute2's `ip` and `tc`, or a ConfigError saying which is missing."""
     if os.geteuid() != 0:
-        raise ConfigError(f"{name} needs root to create network namespaces (running as uid {os.geteuid()}); "
-                          "use a topology without emulation (e.g. topology=local_8)")
+        raise ConfigError(
+            f"{name} needs root to create network namespaces (running as uid {os.geteuid()}); "
+            "use a topology without emulation (e.g. topology=local_8)"
+        )
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
-            raise ConfigError(f"{name} needs the `{tool}` command (Debian: apt-get install iproute2), "
-                              "not found on PATH")
+            raise ConfigError(
+                f"{name} needs the `{tool}` command (Debian: apt-get install iproute2), not found on PATH"
+            )
 
 
 def _pid_namespace() -> int:
@@ -159,8 +172,12 @@ def _delete(ns: str) -> bool:
     done = _sh("ip", "netns", "delete", ns)
     if done.returncode == 0 or not os.path.lexists(f"{_RUN_DIR}/{ns}"):
         return True
-    log.warning("fldp: could not delete network namespace %s (%s); remove it with `ip netns delete %s`",
-                ns, done.stderr.strip(), ns)
+    log.warning(
+        "fldp: could not delete network namespace %s (%s); remove it with `ip netns delete %s`",
+        ns,
+        done.stderr.strip(),
+        ns,
+    )
     return False
 
 
@@ -197,8 +214,9 @@ class Network:
     def _run(self, *cmd: str) -> None:
         done = _sh(*cmd)
         if done.returncode:
-            raise ConfigError(f"emulated network: `{' '.join(cmd)}` failed: {done.stderr.strip()}"
-                              + _hint(done.stderr, self.link))
+            raise ConfigError(
+                f"emulated network: `{' '.join(cmd)}` failed: {done.stderr.strip()}" + _hint(done.stderr, self.link)
+            )
 
     def _add(self, ns: str) -> None:
         self._run("ip", "netns", "add", ns)
@@ -217,17 +235,41 @@ class Network:
                 # one congestion control on every machine (a new namespace inherits the host's: bbr
                 # here, cubic on Debian); reno is built into every kernel, and with the shallow
                 # queue below it drops ~6% of packets where bbr dropped ~45% (4 flows sharing a link)
-                self._run("ip", "netns", "exec", ns, "sh", "-c",
-                          f"echo {_CONGESTION} > /proc/sys/net/ipv4/tcp_congestion_control")
-                self._run("ip", "-n", ns, "link", "add", IFACE, "mtu", str(_MTU), "type", "veth",
-                          "peer", "name", port, "mtu", str(_MTU), "netns", self.switch)
+                self._run(
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    "sh",
+                    "-c",
+                    f"echo {_CONGESTION} > /proc/sys/net/ipv4/tcp_congestion_control",
+                )
+                self._run(
+                    "ip",
+                    "-n",
+                    ns,
+                    "link",
+                    "add",
+                    IFACE,
+                    "mtu",
+                    str(_MTU),
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    port,
+                    "mtu",
+                    str(_MTU),
+                    "netns",
+                    self.switch,
+                )
                 # IPv4 only: no link-local IPv6 address that gloo could pick instead
                 self._run("ip", "-n", ns, "link", "set", IFACE, "addrgenmode", "none")
                 self._run("ip", "-n", ns, "addr", "add", f"{self.address(k)}/24", "dev", IFACE)
                 self._run("ip", "-n", ns, "link", "set", IFACE, "up")
                 self._run("ip", "-n", self.switch, "link", "set", port, "master", "br0", "up")
-                self._shape(ns, IFACE)           # node -> switch (upload)
-                self._shape(self.switch, port)   # switch -> node (download)
+                self._shape(ns, IFACE)  # node -> switch (upload)
+                self._shape(self.switch, port)  # switch -> node (download)
             self._write_hosts()
         except BaseException:
             self.destroy()
@@ -240,8 +282,10 @@ class Network:
         # each address also as IPv6-mapped: c10d's store listens on both families, so it sees IPv4
         # peers as ::ffff:a.b.c.d
         hosts = "127.0.0.1 localhost\n::1 localhost\n" + "".join(
-            f"{prefix}{self.address(k)} {self.namespace(k)} node{k}\n" for k in range(self.nodes)
-            for prefix in ("", "::ffff:"))
+            f"{prefix}{self.address(k)} {self.namespace(k)} node{k}\n"
+            for k in range(self.nodes)
+            for prefix in ("", "::ffff:")
+        )
         for k in range(self.nodes):
             os.makedirs(f"{_ETC_DIR}/{self.namespace(k)}", exist_ok=True)
             with open(f"{_ETC_DIR}/{self.namespace(k)}/hosts", "w") as f:
@@ -255,8 +299,24 @@ class Network:
         tbf = ["tbf", "rate", f"{link.mbit_s:g}mbit", "burst", str(_BURST), "limit", str(limit)]
         self._run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", *tbf)
         if link.delay_ms > 0:
-            self._run("tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:",
-                      "netem", "delay", f"{link.delay_ms:g}ms", "limit", "100000")
+            self._run(
+                "tc",
+                "-n",
+                ns,
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "parent",
+                "1:1",
+                "handle",
+                "10:",
+                "netem",
+                "delay",
+                f"{link.delay_ms:g}ms",
+                "limit",
+                "100000",
+            )
 
     def destroy(self) -> list[str]:
         """Delete the namespaces (their links and qdiscs go with them). Idempotent. Returns those
@@ -289,20 +349,32 @@ class Network:
         # netns exec` does; nothing propagates back to the machine's mounts). Only names depend on it:
         # if it fails, c10d warns about unnamed peers and the run goes on.
         hosts = f"{_ETC_DIR}/{self.namespace(self.node_of(rank))}/hosts".encode()
-        if (libc.unshare(_CLONE_NEWNS) != 0 or libc.mount(b"none", b"/", None, _MS_REC | _MS_SLAVE, None) != 0
-                or libc.mount(hosts, b"/etc/hosts", None, _MS_BIND, None) != 0):
+        if (
+            libc.unshare(_CLONE_NEWNS) != 0
+            or libc.mount(b"none", b"/", None, _MS_REC | _MS_SLAVE, None) != 0
+            or libc.mount(hosts, b"/etc/hosts", None, _MS_BIND, None) != 0
+        ):
             log.debug("emulated nodes: no hosts file for rank %d: %s", rank, os.strerror(ctypes.get_errno()))
 
     def describe(self) -> dict:
-        return {"nodes": self.nodes, "procs_per_node": self.procs_per_node, "mbit_s": self.link.mbit_s,
-                "delay_ms": self.link.delay_ms, "queue_ms": _QUEUE_MS, "burst_kb": _BURST / 1024, "mtu": _MTU,
-                "tcp": _CONGESTION}
+        return {
+            "nodes": self.nodes,
+            "procs_per_node": self.procs_per_node,
+            "mbit_s": self.link.mbit_s,
+            "delay_ms": self.link.delay_ms,
+            "queue_ms": _QUEUE_MS,
+            "burst_kb": _BURST / 1024,
+            "mtu": _MTU,
+            "tcp": _CONGESTION,
+        }
 
 
 def _hint(stderr: str, link: Link) -> str:
     if "qdisc kind is unknown" in stderr and link.delay_ms > 0:
-        return (f"\n(this kernel has no netem qdisc for delay_ms={link.delay_ms:g}: CONFIG_NET_SCH_NETEM; "
-                "set topology.network[-1].delay_ms=0)")
+        return (
+            f"\n(this kernel has no netem qdisc for delay_ms={link.delay_ms:g}: CONFIG_NET_SCH_NETEM; "
+            "set topology.network[-1].delay_ms=0)"
+        )
     return ""
 
 

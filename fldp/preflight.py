@@ -12,6 +12,7 @@ checked on the submitting host before sbatch (fldp/slurm.py `submit`).
 - For a real submission, also that SLURM is reachable (`no_slurm`); a dry run runs anywhere.
 
 `problems` returns every problem found, each naming its key and what to do."""
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,17 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from .data import (StaleCache, cache_entry, env_variable, is_glob, is_url, load_tokenizer, local_files, looks_local,
-                   read_cache)
+from .data import (
+    StaleCache,
+    cache_entry,
+    env_variable,
+    is_glob,
+    is_url,
+    load_tokenizer,
+    local_files,
+    looks_local,
+    read_cache,
+)
 from .mesh import ConfigError
 
 NO_INTERNET = "compute nodes have no internet"
@@ -32,9 +42,14 @@ def problems(cfg, run_dir: str) -> list[str]:
     """Every reason the job `cfg` submitted with records in `run_dir` would fail on its nodes."""
     data = _data_paths(cfg.dataset)
     # the cache is named by the tokenizer and the source files: checked once they are at hand
-    cache = _cache(cfg.dataset) if not data else [
-        f"dataset.cache_dir={cfg.dataset.cache_dir}: not checked until the problems above are fixed; then make "
-        f"the token cache with `{prepare_command()}`"]
+    cache = (
+        _cache(cfg.dataset)
+        if not data
+        else [
+            f"dataset.cache_dir={cfg.dataset.cache_dir}: not checked until the problems above are fixed; then make "
+            f"the token cache with `{prepare_command()}`"
+        ]
+    )
     return [*data, *_node_local(cfg, run_dir), *cache]
 
 
@@ -50,8 +65,11 @@ def prepare_command() -> str:
 
     overrides = ["[the same overrides as this run]"]
     if HydraConfig.initialized():
-        overrides = [shlex.quote(o) for o in HydraConfig.get().overrides.task
-                     if not o.lstrip("+~").startswith(("cluster", "hydra"))]
+        overrides = [
+            shlex.quote(o)
+            for o in HydraConfig.get().overrides.task
+            if not o.lstrip("+~").startswith(("cluster", "hydra"))
+        ]
     return " ".join(["python -m fldp.data", *overrides])
 
 
@@ -60,8 +78,11 @@ def _local_dir(d, key: str, what: str) -> list[str]:
     path = str(d[key])
     if not looks_local(path):
         var = env_variable(d, key)
-        return [f"dataset.{key}={path}: a hub id, but {NO_INTERNET}: set "
-                + (f"{var} (or dataset.{key})" if var else f"dataset.{key}") + f" to {what}"]
+        return [
+            f"dataset.{key}={path}: a hub id, but {NO_INTERNET}: set "
+            + (f"{var} (or dataset.{key})" if var else f"dataset.{key}")
+            + f" to {what}"
+        ]
     if not Path(path).expanduser().is_dir():
         return [f"dataset.{key}={path}: no such local directory"]
     return []
@@ -73,11 +94,15 @@ def _data_paths(d) -> list[str]:
     for split, path in (d.data_files or {}).items():
         path = str(path)
         if is_url(path):
-            found.append(f"dataset.data_files.{split}={path}: a URL, but {NO_INTERNET}: download it and set "
-                         f"dataset.data_files.{split} to the local file")
+            found.append(
+                f"dataset.data_files.{split}={path}: a URL, but {NO_INTERNET}: download it and set "
+                f"dataset.data_files.{split} to the local file"
+            )
         elif not local_files(path):
-            found.append(f"dataset.data_files.{split}={path}: "
-                         + ("matches no local file" if is_glob(path) else "no such local file"))
+            found.append(
+                f"dataset.data_files.{split}={path}: "
+                + ("matches no local file" if is_glob(path) else "no such local file")
+            )
     return found + _local_dir(d, "tokenizer", "a local directory holding the tokenizer")
 
 
@@ -85,8 +110,10 @@ def no_slurm(cfg) -> list[str]:
     """Why nothing can be submitted from here, if so."""
     if shutil.which("sbatch") and shutil.which("srun"):
         return []
-    return [f"cluster={cfg.cluster.name}: no SLURM reachable from here (sbatch/srun not on PATH); run on the "
-            f"cluster's login node, add cluster.dry_run=true to see the job, or use cluster=local"]
+    return [
+        f"cluster={cfg.cluster.name}: no SLURM reachable from here (sbatch/srun not on PATH); run on the "
+        f"cluster's login node, add cluster.dry_run=true to see the job, or use cluster=local"
+    ]
 
 
 def node_local_dirs(cluster) -> list[Path]:
@@ -100,8 +127,12 @@ def _node_local(cfg, run_dir: str) -> list[str]:
     """Paths inside a node-local directory. Even a one-node job runs on another host than this one,
     which writes submitit's pickles and the cache the job reads; so every job is checked."""
     d = cfg.dataset
-    paths = {"hydra.run.dir": run_dir, "dataset.cache_dir": d.cache_dir, "dataset.tokenizer": d.tokenizer,
-             "cluster.folder": cfg.cluster.folder}
+    paths = {
+        "hydra.run.dir": run_dir,
+        "dataset.cache_dir": d.cache_dir,
+        "dataset.tokenizer": d.tokenizer,
+        "cluster.folder": cfg.cluster.folder,
+    }
     paths.update({f"dataset.data_files.{split}": path for split, path in (d.data_files or {}).items()})
     if not d.data_files:
         paths["dataset.path"] = d.path
@@ -113,9 +144,11 @@ def _node_local(cfg, run_dir: str) -> list[str]:
         resolved = Path(os.path.expanduser(str(path))).resolve()
         under = next((x for x in local if resolved.is_relative_to(x)), None)
         if under is not None:
-            found.append(f"{key}={path}: node-local ({under} is not shared with the job's "
-                         f"{cfg.topology.nodes} node(s)): choose a directory on a shared filesystem "
-                         f"(or drop {under} from cluster.node_local_dirs if it is shared here)")
+            found.append(
+                f"{key}={path}: node-local ({under} is not shared with the job's "
+                f"{cfg.topology.nodes} node(s)): choose a directory on a shared filesystem "
+                f"(or drop {under} from cluster.node_local_dirs if it is shared here)"
+            )
     return found
 
 
@@ -124,9 +157,11 @@ def _cache(d) -> list[str]:
         path, made_from = cache_entry(d, load_tokenizer(str(d.tokenizer)))
         if read_cache(path, made_from) is not None:
             return []
-        return [f"dataset.cache_dir={d.cache_dir}: no token cache of dataset {d.name} from this tokenizer and "
-                f"these source files, so the job would tokenise on its nodes while the other ranks wait: make "
-                f"it here first with `{prepare_command()}` (it writes {path})"]
+        return [
+            f"dataset.cache_dir={d.cache_dir}: no token cache of dataset {d.name} from this tokenizer and "
+            f"these source files, so the job would tokenise on its nodes while the other ranks wait: make "
+            f"it here first with `{prepare_command()}` (it writes {path})"
+        ]
     except StaleCache as e:
         return [f"{e}: make it again with `{prepare_command()}`"]
     except ConfigError as e:  # a tokenizer directory that does not load

@@ -1,6 +1,7 @@
 """Where a run's numbers came from: the git commit of the fldp that ran, the versions of what
 computed them, the command and the host. summary.json and the W&B config carry it; the analysis
 refuses to pool runs of different commits unless asked (analysis.discover)."""
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -32,22 +33,28 @@ def provenance() -> dict:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             versions[name] = None
-    return {"command": os.environ.get(COMMAND_VARIABLE), "host": HOST,
-            "python": platform.python_version(), "versions": versions}
+    return {
+        "command": os.environ.get(COMMAND_VARIABLE),
+        "host": HOST,
+        "python": platform.python_version(),
+        "versions": versions,
+    }
 
 
 def _git_commit() -> str | None:
     root = Path(__file__).resolve().parents[1]
     git = ["git", "-C", str(root)]
     try:
-        head = subprocess.run([*git, "rev-parse", "--show-toplevel", "HEAD"], capture_output=True, text=True,
-                              timeout=10)
+        head = subprocess.run(
+            [*git, "rev-parse", "--show-toplevel", "HEAD"], capture_output=True, text=True, timeout=10
+        )
         # only fldp's own checkout: an installed fldp inside another repository (a venv in a
         # checkout) is not that repository's code
         if head.returncode != 0 or Path(head.stdout.split()[0]).resolve() != root:
             return None
-        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(
+            [*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return head.stdout.split()[1] + ("-dirty" if dirty else "")

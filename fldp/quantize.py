@@ -21,6 +21,7 @@ followed by its fp32 scales' bytes (one tensor per collective, so gloo moves pla
 `quantized_mean` is the definition in one process (the simulator runs it; the trainer's
 `all_reduce_mean` is the same arithmetic over the federation group's collectives).
 """
+
 from __future__ import annotations
 
 import math
@@ -43,8 +44,10 @@ class Quantizer:
         if self.kind not in KINDS:
             raise ConfigError(f"algorithm.outer.quantize={self.kind!r}: must be null or one of {', '.join(KINDS)}")
         if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 2 or self.block % 2:
-            raise ConfigError(f"algorithm.outer.quantize_block={self.block!r}: must be an even integer >= 2 "
-                              "(elements per scale; int4 packs two per byte)")
+            raise ConfigError(
+                f"algorithm.outer.quantize_block={self.block!r}: must be an even integer >= 2 "
+                "(elements per scale; int4 packs two per byte)"
+            )
 
     @classmethod
     def of(cls, outer) -> Quantizer | None:
@@ -114,12 +117,12 @@ class Quantizer:
     def parts(self, wire: torch.Tensor, chunks: int, elements: int) -> list[torch.Tensor]:
         """The decoded chunks of a wire holding `chunks` encoded chunks of `elements` each."""
         size = self.wire_bytes(elements)
-        return [self.decode(wire[j * size:(j + 1) * size], elements) for j in range(chunks)]
+        return [self.decode(wire[j * size : (j + 1) * size], elements) for j in range(chunks)]
 
 
 def _padded(x: torch.Tensor, numel: int) -> torch.Tensor:
     out = torch.zeros(numel, dtype=torch.float32, device=x.device)
-    out[:x.numel()] = x
+    out[: x.numel()] = x
     return out
 
 
@@ -136,8 +139,10 @@ def quantized_mean(changes: list[torch.Tensor], q: Quantizer, residuals: list | 
     residuals: each group's error feedback (F fp32 tensors of the padded length, updated), or None."""
     F, n = len(changes), changes[0].numel()
     c = q.chunk(n, F)
-    sent = [q.parts(q.send(_padded(x, F * c), F, None if residuals is None else residuals[g]), F, c)
-            for g, x in enumerate(changes)]
+    sent = [
+        q.parts(q.send(_padded(x, F * c), F, None if residuals is None else residuals[g]), F, c)
+        for g, x in enumerate(changes)
+    ]
     means = [q.encode(_mean_of([chunks[j] for chunks in sent])) for j in range(F)]  # chunk j's at group j
     return q.receive(torch.cat(means), F, c)[:n]
 

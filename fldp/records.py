@@ -3,6 +3,7 @@ the same rows to W&B, and a progress bar. Only rank 0 makes a Recorder.
 
 A record that cannot be written (disk full, read-only, no permission) ends the run with a
 WriteError naming the file, and leaves no half row: `metrics.jsonl` holds whole lines only."""
+
 from __future__ import annotations
 
 import contextlib
@@ -56,8 +57,13 @@ class Recorder:
         if progress:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, initial=resume_from, desc=f"{cfg.algorithm.name} {cfg.mesh.federation}x"
-                            f"{cfg.mesh.replicate}x{cfg.mesh.shard}", unit="step", dynamic_ncols=True)
+            self.bar = tqdm(
+                total=total_steps,
+                initial=resume_from,
+                desc=f"{cfg.algorithm.name} {cfg.mesh.federation}x{cfg.mesh.replicate}x{cfg.mesh.shard}",
+                unit="step",
+                dynamic_ncols=True,
+            )
 
     def _truncate(self, step: int, total_steps: int) -> list[dict]:
         """Keep the rows up to `step`: a resumed run redoes the steps after its checkpoint (and the
@@ -69,8 +75,11 @@ class Recorder:
         # midway): a step after the checkpoint, redone anyway
         lines = path.read_text().split("\n")[:-1]
         kept = [json.loads(line) for line in lines if line.strip()]
-        kept = [r for r in kept if r["step"] < step or (r["step"] == step and not (
-            r.get("split") == "eval" and step == total_steps))]
+        kept = [
+            r
+            for r in kept
+            if r["step"] < step or (r["step"] == step and not (r.get("split") == "eval" and step == total_steps))
+        ]
         tmp = path.with_suffix(".tmp")
         try:
             tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
@@ -187,9 +196,16 @@ def wandb_labels(cfg) -> dict:
 def wandb_identity(run, run_dir: Path) -> dict:
     """The W&B run these records went to, as W&B holds it (its public Run attributes): the id, path,
     labels and the folder of an offline run (for `wandb sync`), relative to the run directory."""
-    return {"id": run.id, "path": run.path, "name": run.name, "group": run.group, "job_type": run.job_type,
-            "tags": sorted(run.tags), "mode": "offline" if run.offline else "online",
-            "folder": os.path.relpath(Path(run.dir).parent, run_dir)}
+    return {
+        "id": run.id,
+        "path": run.path,
+        "name": run.name,
+        "group": run.group,
+        "job_type": run.job_type,
+        "tags": sorted(run.tags),
+        "mode": "offline" if run.offline else "online",
+        "folder": os.path.relpath(Path(run.dir).parent, run_dir),
+    }
 
 
 def wandb_name(cfg) -> str:
@@ -224,8 +240,10 @@ def check_wandb_login(cfg) -> None:
     except (OSError, netrc.NetrcParseError):
         known = False
     if not known:
-        raise ConfigError(f"wandb.mode=online: no W&B API key for {host} (set WANDB_API_KEY, or run `wandb login` "
-                          f"once); or use wandb.mode=offline and `wandb sync` later")
+        raise ConfigError(
+            f"wandb.mode=online: no W&B API key for {host} (set WANDB_API_KEY, or run `wandb login` "
+            f"once); or use wandb.mode=offline and `wandb sync` later"
+        )
 
 
 def public_config(cfg) -> dict:
@@ -250,8 +268,14 @@ def _start_wandb(cfg, run_dir: Path):
         import wandb
 
         run = wandb.init(
-            project=cfg.wandb.project, entity=cfg.wandb.entity, mode=mode, id=wandb_id(run_dir),
-            resume="allow", **wandb_labels(cfg), name=wandb_name(cfg), dir=str(run_dir),
+            project=cfg.wandb.project,
+            entity=cfg.wandb.entity,
+            mode=mode,
+            id=wandb_id(run_dir),
+            resume="allow",
+            **wandb_labels(cfg),
+            name=wandb_name(cfg),
+            dir=str(run_dir),
             config={**public_config(cfg), **run_fields(), "overrides": run_overrides(run_dir)},
             # never block a training run on a missing network
             settings=wandb.Settings(init_timeout=60, silent=True, console="off"),
@@ -259,7 +283,7 @@ def _start_wandb(cfg, run_dir: Path):
         _define_metrics(run)
         return run
     except Exception as e:
-        warnings.warn(f"W&B ({mode}) could not start, records go to {run_dir} only: {e}")
+        warnings.warn(f"W&B ({mode}) could not start, records go to {run_dir} only: {e}", stacklevel=2)
         return None
 
 

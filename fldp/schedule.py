@@ -1,6 +1,7 @@
 """When FL aggregates: algorithm.every as a schedule, and the steps it makes aggregate. One
 definition for the trainer, the simulator, the cost model and the analysis; it imports nothing of
 fldp but its errors, so the config schema can check a schedule with it."""
+
 from __future__ import annotations
 
 import functools
@@ -18,14 +19,19 @@ def schedule_of(every) -> tuple[tuple[int, int], ...]:
     pairs = [[0, every]] if _number(every) and not isinstance(every, float) else every
     try:
         phases = tuple((int(start), int(period)) for start, period in pairs)
-        valid = (all(isinstance(x, int) and not isinstance(x, bool) for pair in pairs for x in pair)
-                 and phases[0][0] == 0 and all(a >= 1 for _, a in phases)
-                 and all(s1 < s2 for (s1, _), (s2, _) in zip(phases, phases[1:])))
+        valid = (
+            all(isinstance(x, int) and not isinstance(x, bool) for pair in pairs for x in pair)
+            and phases[0][0] == 0
+            and all(a >= 1 for _, a in phases)
+            and all(s1 < s2 for (s1, _), (s2, _) in zip(phases, phases[1:]))
+        )
     except (TypeError, ValueError, IndexError):
         valid = False
     if not valid:
-        raise ConfigError(f"algorithm.every={every!r}: must be an integer A >= 1, or a schedule "
-                          f"[[0, A0], [step1, A1], ...] of increasing steps from 0 and periods >= 1")
+        raise ConfigError(
+            f"algorithm.every={every!r}: must be an integer A >= 1, or a schedule "
+            f"[[0, A0], [step1, A1], ...] of increasing steps from 0 and periods >= 1"
+        )
     return phases
 
 

@@ -13,13 +13,15 @@ Checks that need more than one group's keys stay where they were (`mesh_shape`, 
 
 The schema is data: KEYS maps each dotted key to a Spec. A key another branch adds is one line here.
 """
+
 from __future__ import annotations
 
 import difflib
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from omegaconf import DictConfig, ListConfig
 from omegaconf.errors import OmegaConfBaseException
@@ -42,15 +44,16 @@ class Spec:
     is a setting only where that other key has one of those values (the SLURM clusters' keys: set on
     cluster=local, they would silently do nothing), and needed there (or where `needed_when` holds)
     unless optional."""
+
     what: str
-    test: Callable[[Any], bool] = lambda v: True   # containers: their parts are checked instead
+    test: Callable[[Any], bool] = lambda v: True  # containers: their parts are checked instead
     null: bool = False
     optional: bool = False
     when: tuple | None = None
-    needed_when: tuple | None = None   # (key, values) where it is needed, if narrower than `when`
-    kind: str = "custom"       # int, num, bool, text, choice, section, list, map: what a fuzzer draws
-    bounds: tuple = ()         # int, num: (ge, gt, le, lt)
-    choices: tuple = ()        # choice
+    needed_when: tuple | None = None  # (key, values) where it is needed, if narrower than `when`
+    kind: str = "custom"  # int, num, bool, text, choice, section, list, map: what a fuzzer draws
+    bounds: tuple = ()  # int, num: (ge, gt, le, lt)
+    choices: tuple = ()  # choice
 
     def __str__(self) -> str:
         return self.what + (" or null" if self.null else "")
@@ -67,6 +70,7 @@ class Spec:
 @dataclass(frozen=True)
 class Section(Spec):
     """A mapping with fixed keys, each with its Spec (`fields`); a dotted key's parent."""
+
     what: str = "a mapping"
     kind: str = "section"
     fields: dict = field(default_factory=dict)
@@ -75,6 +79,7 @@ class Section(Spec):
 @dataclass(frozen=True)
 class ListOf(Spec):
     """A list whose items each satisfy `item` (a Spec or a Section), of `length` items if given."""
+
     what: str = "a list"
     kind: str = "list"
     item: Spec | None = None
@@ -85,6 +90,7 @@ class ListOf(Spec):
 @dataclass(frozen=True)
 class MapOf(Spec):
     """A mapping with open keys (or only `keys`), every value satisfying `value`."""
+
     what: str = "a mapping"
     kind: str = "map"
     value: Spec | None = None
@@ -134,8 +140,14 @@ def Text(**kw) -> Spec:
 
 def Choice(*values, **kw) -> Spec:
     words = ", ".join("null" if v is None else str(v) for v in values)
-    return Spec(f"one of {words}", lambda v: any(v == c and type(v) is type(c) for c in values),
-                null=None in values, kind="choice", choices=values, **kw)
+    return Spec(
+        f"one of {words}",
+        lambda v: any(v == c and type(v) is type(c) for c in values),
+        null=None in values,
+        kind="choice",
+        choices=values,
+        **kw,
+    )
 
 
 def _compiles(v) -> bool:
@@ -156,7 +168,7 @@ MESH = Section(fields={d: Int(ge=1) for d in DIMS})
 # The keys of a SLURM cluster config (conf/cluster/slurm.yaml, leonardo.yaml): allowed in one, also
 # forked locally with cluster.launcher=local, needed when it submits; refused on cluster=local.
 SLURM = dict(when=("cluster.launcher", ("slurm", "local")), needed_when=("cluster.launcher", ("slurm",)))
-FEDAVG = ("algorithm.aggregation", ("fedavg",))   # ... only an aggregating algorithm has
+FEDAVG = ("algorithm.aggregation", ("fedavg",))  # ... only an aggregating algorithm has
 # topology.layouts: one (F, R, S) per set of dimensions an algorithm can have (fldp_layout's keys)
 LAYOUTS = ("shard", "replicate_shard", "federation_shard", "federation_replicate_shard")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
@@ -168,23 +180,31 @@ KEYS: dict[str, Spec] = {
     "algorithm.name": Text(),
     "algorithm.dims": ListOf("a list of mesh dimensions, shard included", item=Choice(*DIMS), min_length=1),
     "algorithm.aggregation": Choice("fedavg", None),
-    "algorithm.every": Spec("an integer A >= 1, or a schedule [[0, A0], [step1, A1], ...] of increasing "
-                            "steps from 0 and periods >= 1", _schedule, null=True),
+    "algorithm.every": Spec(
+        "an integer A >= 1, or a schedule [[0, A0], [step1, A1], ...] of increasing steps from 0 and periods >= 1",
+        _schedule,
+        null=True,
+    ),
     "algorithm.fedavg": Section(null=True),
     "algorithm.fedavg.bucket_mb": Num(gt=0),
     "algorithm.fedavg.mode": Choice(*MODES, optional=True),
     "algorithm.outer": Section(optional=True, when=FEDAVG),
     "algorithm.outer.name": Choice(*OUTER),
-    "algorithm.outer.lr": Num(gt=0, null=True),   # null: the optimiser's own (OUTER_DEFAULTS)
+    "algorithm.outer.lr": Num(gt=0, null=True),  # null: the optimiser's own (OUTER_DEFAULTS)
     "algorithm.outer.momentum": Num(ge=0, lt=1),
     "algorithm.outer.nesterov": Bool(),
     "algorithm.outer.betas": ListOf("a list of 2 numbers in [0, 1)", item=Num(ge=0, lt=1), length=2),
-    "algorithm.outer.eps": Num(gt=0, null=True),   # null: the optimiser's own (OUTER_DEFAULTS)
+    "algorithm.outer.eps": Num(gt=0, null=True),  # null: the optimiser's own (OUTER_DEFAULTS)
     "algorithm.outer.reduce_dtype": Choice(*REDUCE_DTYPES),
     # fldp/quantize.py: optional, so a config written before them composes as it did
     "algorithm.outer.quantize": Choice(None, *QUANTIZE, optional=True),
-    "algorithm.outer.quantize_block": Spec("an even integer >= 2", lambda v: _is_int(v) and v >= 2 and v % 2 == 0,
-                                           kind="int", bounds=(2, None, None, None), optional=True),
+    "algorithm.outer.quantize_block": Spec(
+        "an even integer >= 2",
+        lambda v: _is_int(v) and v >= 2 and v % 2 == 0,
+        kind="int",
+        bounds=(2, None, None, None),
+        optional=True,
+    ),
     "algorithm.outer.error_feedback": Bool(optional=True),
     "algorithm.elastic": Bool(optional=True, when=FEDAVG),
     # algorithm.streaming (fldp/streaming.py): the model aggregated in fragments, at staggered steps
@@ -193,8 +213,9 @@ KEYS: dict[str, Spec] = {
     "algorithm.streaming.layout": Choice("strided", "contiguous"),
     "algorithm.streaming.overlap": Int(ge=0),
     "algorithm.streaming.alpha": Num(ge=0, le=1),
-    "algorithm.federate": ListOf("a list of regular expressions", item=Spec("a regular expression", _compiles),
-                                 optional=True, when=FEDAVG),
+    "algorithm.federate": ListOf(
+        "a list of regular expressions", item=Spec("a regular expression", _compiles), optional=True, when=FEDAVG
+    ),
     # topology: conf/topology/*.yaml
     "topology.name": Text(),
     "topology.nodes": Int(ge=1),
@@ -202,15 +223,24 @@ KEYS: dict[str, Spec] = {
     "topology.device": Choice("cpu", "cuda"),
     "topology.layouts": MapOf("a mapping of dimensions to {federation, replicate, shard}", value=MESH, keys=LAYOUTS),
     "topology.precision": Choice("fp32", "bf16"),
-    "topology.network": ListOf("a list of network tiers, innermost first", min_length=1, item=Section(fields={
-        "tier": Text(), "ranks": Int(ge=1), "gbit_s": Num(gt=0),
-        "link": Choice("node", None, optional=True),          # netns: the node's link is shared
-        "delay_ms": Num(ge=0, optional=True),                  # netns: one-way delay (netem)
-        "latency_ms": Num(ge=0, optional=True)})),             # netns: the cost model's per-collective latency
+    "topology.network": ListOf(
+        "a list of network tiers, innermost first",
+        min_length=1,
+        item=Section(
+            fields={
+                "tier": Text(),
+                "ranks": Int(ge=1),
+                "gbit_s": Num(gt=0),
+                "link": Choice("node", None, optional=True),  # netns: the node's link is shared
+                "delay_ms": Num(ge=0, optional=True),  # netns: one-way delay (netem)
+                "latency_ms": Num(ge=0, optional=True),
+            }
+        ),
+    ),  # netns: the cost model's per-collective latency
     "topology.emulation_scale": Num(gt=0),
     "topology.paper_setting": Bool(optional=True),
     "topology.fedavg_mode": Choice(*MODES, optional=True),
-    "topology.emulation": Choice("netns", None, optional=True),   # netns: emulated nodes
+    "topology.emulation": Choice("netns", None, optional=True),  # netns: emulated nodes
     # model: conf/model/*.yaml (transformers' LlamaConfig)
     "model.name": Text(),
     "model.vocab_size": Int(ge=1, null=True),
@@ -250,8 +280,9 @@ KEYS: dict[str, Spec] = {
     # cluster: conf/cluster/local.yaml, and the SLURM ones (slurm.yaml, leonardo.yaml)
     "cluster.name": Text(),
     # the clusters that start ranks (absent from cluster=simulate, which starts none)
-    "cluster.master_addr": Spec("a host name or address", lambda v: isinstance(v, str) and v != "", null=True,
-                                optional=True),
+    "cluster.master_addr": Spec(
+        "a host name or address", lambda v: isinstance(v, str) and v != "", null=True, optional=True
+    ),
     "cluster.master_port": Int(ge=1, le=65535, null=True, optional=True),
     "cluster.timeout_s": Num(gt=0, optional=True),
     "cluster.threads_per_worker": Int(ge=1, optional=True),
@@ -261,7 +292,7 @@ KEYS: dict[str, Spec] = {
     # cluster=simulate (fldp/simulate.py): one process, no ranks
     "cluster.device": Choice("cpu", "cuda", when=("cluster.name", ("simulate",))),
     "cluster.threads": Int(ge=1, null=True, when=("cluster.name", ("simulate",))),
-    "cluster.launcher": Choice("slurm", "local", optional=True),   # absent: conf/cluster/local.yaml
+    "cluster.launcher": Choice("slurm", "local", optional=True),  # absent: conf/cluster/local.yaml
     "cluster.dry_run": Bool(**SLURM),
     "cluster.wait": Bool(**SLURM),
     "cluster.partition": Text(null=True, **SLURM),
@@ -276,15 +307,15 @@ KEYS: dict[str, Spec] = {
     "cluster.sbatch": MapOf("a mapping of sbatch option to value", value=SCALAR, **SLURM),
     "cluster.folder": Text(null=True, **SLURM),
     "cluster.poll_s": Num(gt=0, **SLURM),
-    "cluster.max_requeue": Int(ge=0, optional=True, **SLURM),          # ops: requeue on time limit
-    "cluster.signal_s": Int(ge=0, le=65535, optional=True, **SLURM),   # ops: sbatch --signal=USR2@N
+    "cluster.max_requeue": Int(ge=0, optional=True, **SLURM),  # ops: requeue on time limit
+    "cluster.signal_s": Int(ge=0, le=65535, optional=True, **SLURM),  # ops: sbatch --signal=USR2@N
     "cluster.node_local_dirs": ListOf("a list of directories", item=Text(), optional=True, **SLURM),  # preflight
     # conf/config.yaml
     "mesh.federation": Int(ge=1),
     "mesh.replicate": Int(ge=1),
     "mesh.shard": Int(ge=1),
     # torch's generators take a 64-bit seed (the data sampler adds the epoch to it)
-    "seed": Spec("an integer in [-2**63, 2**63)", lambda v: _is_int(v) and -2**63 <= v < 2**63),
+    "seed": Spec("an integer in [-2**63, 2**63)", lambda v: _is_int(v) and -(2**63) <= v < 2**63),
     "trainer.steps": Int(ge=1, null=True),
     "trainer.batch_size": Int(ge=1),
     "trainer.precision": Choice("fp32", "bf16"),
@@ -293,16 +324,16 @@ KEYS: dict[str, Spec] = {
     "trainer.progress": Bool(),
     "trainer.checkpoint_every": Int(ge=0),
     "trainer.resume": Choice(None, "auto"),
-    "trainer.skip_finished": Bool(),                            # multirun: skip points holding summary.json
-    "trainer.keep_last": Int(ge=0, null=True, optional=True),   # ops: prune older checkpoints
-    "trainer.async_save": Bool(optional=True),                  # ops: DCP async_save
+    "trainer.skip_finished": Bool(),  # multirun: skip points holding summary.json
+    "trainer.keep_last": Int(ge=0, null=True, optional=True),  # ops: prune older checkpoints
+    "trainer.async_save": Bool(optional=True),  # ops: DCP async_save
     "fsdp.reshard_root_after_forward": Bool(),
     "optimizer.name": Choice("adamw", "sgd"),
-    "optimizer.lr": Num(ge=0),                       # torch: "Invalid learning rate" below 0
+    "optimizer.lr": Num(ge=0),  # torch: "Invalid learning rate" below 0
     "optimizer.betas": ListOf("a list of 2 numbers in [0, 1)", item=Num(ge=0, lt=1), length=2),
     "optimizer.weight_decay": Num(ge=0),
     "optimizer.momentum": Num(ge=0),
-    "optimizer.warmup": Num(ge=0, lt=1),             # a fraction of the steps
+    "optimizer.warmup": Num(ge=0, lt=1),  # a fraction of the steps
     "comm.measure": Bool(),
     "comm.emulate": Bool(),
     "comm.scale": Num(gt=0),
@@ -317,23 +348,40 @@ KEYS: dict[str, Spec] = {
 class Rule:
     """A condition over several keys (their checked values, in order) and what it requires (words,
     or a function of the values giving them)."""
+
     keys: tuple
     holds: Callable
     requires: str | Callable
 
 
-ROPE_NEEDS = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
-              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+ROPE_NEEDS = {
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
 
 RULES = (
-    Rule(("model.hidden_size", "model.num_attention_heads"), lambda h, n: h % n == 0,
-         "model.num_attention_heads must divide model.hidden_size"),
-    Rule(("model.hidden_size", "model.num_attention_heads"), lambda h, n: h % n or h // n % 2 == 0,
-         "the head dimension model.hidden_size / model.num_attention_heads must be even (RoPE rotates pairs)"),
-    Rule(("model.num_attention_heads", "model.num_key_value_heads"), lambda n, k: n % k == 0,
-         "model.num_key_value_heads must divide model.num_attention_heads (grouped-query attention)"),
-    Rule(("model.rope_scaling",), lambda r: r is None or set(ROPE_NEEDS.get(r["rope_type"], ())) <= r.keys(),
-         lambda r: f"rope_type {r['rope_type']} needs {', '.join(ROPE_NEEDS[r['rope_type']])} (transformers)"),
+    Rule(
+        ("model.hidden_size", "model.num_attention_heads"),
+        lambda h, n: h % n == 0,
+        "model.num_attention_heads must divide model.hidden_size",
+    ),
+    Rule(
+        ("model.hidden_size", "model.num_attention_heads"),
+        lambda h, n: h % n or h // n % 2 == 0,
+        "the head dimension model.hidden_size / model.num_attention_heads must be even (RoPE rotates pairs)",
+    ),
+    Rule(
+        ("model.num_attention_heads", "model.num_key_value_heads"),
+        lambda n, k: n % k == 0,
+        "model.num_key_value_heads must divide model.num_attention_heads (grouped-query attention)",
+    ),
+    Rule(
+        ("model.rope_scaling",),
+        lambda r: r is None or set(ROPE_NEEDS.get(r["rope_type"], ())) <= r.keys(),
+        lambda r: f"rope_type {r['rope_type']} needs {', '.join(ROPE_NEEDS[r['rope_type']])} (transformers)",
+    ),
 )
 
 
@@ -345,9 +393,17 @@ def _tree(keys: dict[str, Spec]) -> Section:
         node = root
         for p in parents:
             node = node.fields.setdefault(p, Section())
-        node.fields[name] = spec if not isinstance(spec, Section) else Section(
-            what=spec.what, null=spec.null, optional=spec.optional, when=spec.when,
-            fields={**node.fields.get(name, Section()).fields, **spec.fields})
+        node.fields[name] = (
+            spec
+            if not isinstance(spec, Section)
+            else Section(
+                what=spec.what,
+                null=spec.null,
+                optional=spec.optional,
+                when=spec.when,
+                fields={**node.fields.get(name, Section()).fields, **spec.fields},
+            )
+        )
     return root
 
 
@@ -365,7 +421,7 @@ def _join(key: str, name) -> str:
     return f"{key}.{name}" if key else str(name)
 
 
-UNRESOLVED = object()   # a value whose interpolation failed (reported once, as such)
+UNRESOLVED = object()  # a value whose interpolation failed (reported once, as such)
 
 
 def plain(node, key: str = "", sources: dict | None = None, errors: dict | None = None):
@@ -432,8 +488,10 @@ class _Check:
         if value is None and spec.null:
             return
         if not isinstance(value, dict):
-            return self.bad(key, value, f"must be a mapping of {', '.join(spec.fields)}" + (" or null" if spec.null else ""))
-        needed, misplaced = [], []   # a variant's keys, told once per condition (a SLURM cluster's 14)
+            return self.bad(
+                key, value, f"must be a mapping of {', '.join(spec.fields)}" + (" or null" if spec.null else "")
+            )
+        needed, misplaced = [], []  # a variant's keys, told once per condition (a SLURM cluster's 14)
         for name, sub in spec.fields.items():
             if name not in value and not sub.optional:
                 if sub.when is None:
@@ -445,8 +503,13 @@ class _Check:
             where = _join(key, name)
             if sub is None:
                 near = difflib.get_close_matches(name, spec.fields, n=1)
-                self.bad(where, v, "no such setting" + (f" (did you mean {_join(key, near[0])}?)" if near else "")
-                         + f"; {key or 'the config'} has: {', '.join(spec.fields)}")
+                self.bad(
+                    where,
+                    v,
+                    "no such setting"
+                    + (f" (did you mean {_join(key, near[0])}?)" if near else "")
+                    + f"; {key or 'the config'} has: {', '.join(spec.fields)}",
+                )
             elif sub.when and not self.holds(sub.when):
                 misplaced.append((where, sub))
             else:
@@ -455,10 +518,15 @@ class _Check:
             if keys:
                 when = keys[0][1].when
                 self.failed.update(k for k, _ in keys)
-                self.problems.append(f"{', '.join(k for k, _ in keys)}: " + (
-                    f"missing, needed where {when[0]}={show(self.lookup(when[0]))}" if keys is needed else
-                    f"set, but settings only where {when[0]} is {' or '.join(when[1])}, "
-                    f"not {when[0]}={show(self.lookup(when[0]))}"))
+                self.problems.append(
+                    f"{', '.join(k for k, _ in keys)}: "
+                    + (
+                        f"missing, needed where {when[0]}={show(self.lookup(when[0]))}"
+                        if keys is needed
+                        else f"set, but settings only where {when[0]} is {' or '.join(when[1])}, "
+                        f"not {when[0]}={show(self.lookup(when[0]))}"
+                    )
+                )
 
     def mapping(self, key: str, value, spec: MapOf) -> None:
         if value is None and spec.null:
@@ -474,14 +542,18 @@ class _Check:
     def items(self, key: str, value, spec: ListOf) -> None:
         if value is None and spec.null:
             return
-        if (not isinstance(value, (list, tuple)) or len(value) < spec.min_length
-                or (spec.length is not None and len(value) != spec.length)):
+        if (
+            not isinstance(value, (list, tuple))
+            or len(value) < spec.min_length
+            or (spec.length is not None and len(value) != spec.length)
+        ):
             return self.bad(key, value, f"must be {spec}")
         for i, v in enumerate(value):
             self.value(f"{key}[{i}]", v, spec.item)
 
     def rules(self) -> None:
         """The rules whose keys all passed their own checks."""
+
         def affected(k):  # the key, a key inside it, or a section holding it failed
             return any(f == k or f.startswith((k + ".", k + "[")) or k.startswith(f + ".") for f in self.failed)
 

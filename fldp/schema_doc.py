@@ -5,6 +5,7 @@ MkDocs builds the site), so the page lists exactly the keys `python -m fldp.trai
 each accepts (type, range or choices, null), and where it applies (`Spec.when`), and cannot drift
 from them. It reads the schema only: no torch, no config is composed.
 """
+
 from __future__ import annotations
 
 from .schema import KEYS, RULES, ListOf, MapOf, Section, Spec
@@ -44,7 +45,9 @@ def accepts(spec: Spec) -> str:
             return "a mapping (its keys are the rows below it)"
         parts = []
         for name, sub in spec.fields.items():
-            notes = [accepts(sub)] + (["null allowed"] if sub.null else []) + (["may be absent"] if sub.optional else [])
+            notes = (
+                [accepts(sub)] + (["null allowed"] if sub.null else []) + (["may be absent"] if sub.optional else [])
+            )
             parts.append(f"`{name}`: " + ", ".join(notes))
         return "a mapping of " + "; ".join(parts)
     if isinstance(spec, ListOf):
@@ -76,7 +79,7 @@ def applies(key: str, spec: Spec) -> str:
     if spec.needed_when and spec.needed_when != spec.when:
         notes.append(f"needed where `{spec.needed_when[0]}` is {_either(spec.needed_when[1])}")
     parts = key.split(".")
-    for n in range(len(parts) - 1, 0, -1):   # the nearest enclosing section with a condition
+    for n in range(len(parts) - 1, 0, -1):  # the nearest enclosing section with a condition
         parent = KEYS.get(".".join(parts[:n]))
         if parent is not None and parent.when:
             notes.append(f"with `{'.'.join(parts[:n])}`")
@@ -114,17 +117,23 @@ def reference_markdown() -> str:
     for group, keys in groups.items():
         where = GROUP_FILES.get(group, "conf/config.yaml")
         said = f"Each option's file: `{where}`." if group in GROUP_FILES else f"Defaults: `{where}`."
-        lines += [f"## `{group}`", "", said, "",
-                  "| key | accepts | null | applies |", "|---|---|---|---|"]
+        lines += [f"## `{group}`", "", said, "", "| key | accepts | null | applies |", "|---|---|---|---|"]
         for key in keys:
             spec = KEYS[key]
             lines.append(f"| `{key}` | {accepts(spec)} | {'yes' if spec.null else 'no'} | {applies(key, spec)} |")
         lines.append("")
-    lines += ["## Rules across keys", "",
-              "Checked once every key above passed its own check (a model whose shape cannot work):", ""]
+    lines += [
+        "## Rules across keys",
+        "",
+        "Checked once every key above passed its own check (a model whose shape cannot work):",
+        "",
+    ]
     lines += [_rule(r) for r in RULES]
-    lines += ["", "Checks that need more than one group's keys (the mesh against the topology's world, an",
-              "aggregating algorithm's A and federation dimension, `algorithm.federate` patterns against the",
-              "model's parameters, the data) follow, before any worker starts: "
-              "[When things go wrong](../reliability.md).", ""]
+    lines += [
+        "",
+        "Checks that need more than one group's keys (the mesh against the topology's world, an",
+        "aggregating algorithm's A and federation dimension, `algorithm.federate` patterns against the",
+        "model's parameters, the data) follow, before any worker starts: [When things go wrong](../reliability.md).",
+        "",
+    ]
     return "\n".join(lines)

@@ -7,6 +7,7 @@ gives the same weights either way), the byte meter (which costs under 1%) and el
 (which acts only once a group fails) change none of that.
 The analysis labels configurations by the defining keys only, and the dry run compares a run with the
 paper's setting through them."""
+
 from __future__ import annotations
 
 from omegaconf import OmegaConf
@@ -17,13 +18,21 @@ from . import CONF
 SECTIONS = ("algorithm", "mesh", "model", "trainer", "optimizer", "fsdp", "comm")
 DATASET_KEYS = ("name", "block_size", "train_blocks", "eval_blocks", "text_field")
 # keys inside those sections that control a run but not what it computes
-OPERATIONAL = frozenset({
-    "trainer.progress", "trainer.resume", "trainer.skip_finished", "trainer.checkpoint_every", "trainer.keep_last",
-    "trainer.async_save", "comm.measure", "model.init_device",
-    # what happens after a group fails; without a failure an elastic run computes the same, bit for
-    # bit (tests/test_elastic.py)
-    "algorithm.elastic",
-})
+OPERATIONAL = frozenset(
+    {
+        "trainer.progress",
+        "trainer.resume",
+        "trainer.skip_finished",
+        "trainer.checkpoint_every",
+        "trainer.keep_last",
+        "trainer.async_save",
+        "comm.measure",
+        "model.init_device",
+        # what happens after a group fails; without a failure an elastic run computes the same, bit for
+        # bit (tests/test_elastic.py)
+        "algorithm.elastic",
+    }
+)
 
 
 def flatten(d: dict, prefix: str = "") -> dict:
@@ -44,8 +53,11 @@ def defining(config: dict) -> dict:
     picked["topology"] = {"name": (config.get("topology") or {}).get("name")}
     flat = flatten(picked)
     # one fragment, sent and taken at once, is the whole model's aggregation, as without streaming
-    if (flat.get("algorithm.streaming.fragments", 1) == 1 and not flat.get("algorithm.streaming.overlap")
-            and not flat.get("algorithm.streaming.alpha")):
+    if (
+        flat.get("algorithm.streaming.fragments", 1) == 1
+        and not flat.get("algorithm.streaming.overlap")
+        and not flat.get("algorithm.streaming.alpha")
+    ):
         flat = {k: v for k, v in flat.items() if not k.startswith("algorithm.streaming.")}
     return {k: v for k, v in flat.items() if k not in OPERATIONAL}
 
@@ -56,8 +68,11 @@ def differences(cfg, reference) -> list[str]:
     mine, theirs = (defining(OmegaConf.to_container(c, resolve=True)) for c in (cfg, reference))
     keys = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
     other = {k.split(".")[0] for k in keys if k in ("model.name", "dataset.name")}
-    return [f"{k.removesuffix('.name')}={mine.get(k)!r} (paper: {theirs.get(k)!r})" for k in keys
-            if k.split(".")[0] not in other or k.endswith(".name")]
+    return [
+        f"{k.removesuffix('.name')}={mine.get(k)!r} (paper: {theirs.get(k)!r})"
+        for k in keys
+        if k.split(".")[0] not in other or k.endswith(".name")
+    ]
 
 
 def paper_config(algorithm: str, topology: str):

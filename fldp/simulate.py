@@ -15,6 +15,7 @@ outer step (fldp.aggregation.Outer), the records (fldp.records.Recorder) and sum
 What differs is only floating-point order: the collectives sum in another order than torch.sum
 (fp32: agreement within 1e-5, tested; in bf16 the collective rounds at every hop, the simulator once).
 """
+
 from __future__ import annotations
 
 import math
@@ -33,8 +34,16 @@ from .model import DTYPES, build_model, init_weights, llama_config
 from .quantize import Quantizer, quantized_mean, residual_for
 from .records import PHASES, Recorder
 from .streaming import Exchange
-from .trainer import (AVERAGE, GROUPS_MEAN, ONE_MODEL, PhaseTimer, build_optimizer, build_scheduler, run_summary,
-                      total_steps)
+from .trainer import (
+    AVERAGE,
+    GROUPS_MEAN,
+    ONE_MODEL,
+    PhaseTimer,
+    build_optimizer,
+    build_scheduler,
+    run_summary,
+    total_steps,
+)
 
 # vmap has no batching rule for CPU flash attention and loops over the groups inside that one op
 # (measured: as fast as eager attention at F = 128); the warning would repeat at every step
@@ -50,7 +59,8 @@ class Groups(nn.Module):
         super().__init__()
         self.names = [name for name, _ in model.named_parameters()]  # a tied lm_head once, as the trainer
         self.stacked = nn.ParameterList(
-            nn.Parameter(p.detach().unsqueeze(0).expand(groups, *p.shape).clone()) for _, p in model.named_parameters())
+            nn.Parameter(p.detach().unsqueeze(0).expand(groups, *p.shape).clone()) for _, p in model.named_parameters()
+        )
 
     def __getitem__(self, name: str) -> nn.Parameter:
         return self.stacked[self.names.index(name)]
@@ -84,26 +94,34 @@ class Simulation:
             # algorithm.streaming: each federated parameter's fragment (one fragment: the whole model)
             self.fragment = self.fedavg.streaming.fragment_of(self.federated)
             if not self.fedavg.outer.averages:  # one bucket per fragment: its anchor is group 0's weights
-                self.outer = Outer(self.fedavg.outer, [torch.cat([self.groups[n][0].reshape(-1) for n in names])
-                                                       for names in self.fragment_names()])
+                self.outer = Outer(
+                    self.fedavg.outer,
+                    [torch.cat([self.groups[n][0].reshape(-1) for n in names]) for names in self.fragment_names()],
+                )
             # algorithm.outer.quantize: the groups' change since the last aggregation crosses, from
             # the anchor or (FedAvg) from the weights then, the reference; per group, the error feedback
             self.quantizer = Quantizer.of(self.fedavg.outer)
             if self.quantizer is not None:
-                starts = [torch.cat([self.groups[n][0].reshape(-1) for n in names]).detach()
-                          for names in self.fragment_names()]
+                starts = [
+                    torch.cat([self.groups[n][0].reshape(-1) for n in names]).detach()
+                    for names in self.fragment_names()
+                ]
                 if self.outer is None:  # with an outer optimiser the base is its anchor
                     self.reference = [start.clone() for start in starts]
                 if self.fedavg.outer.error_feedback:
-                    self.residuals = [[residual_for(start.numel(), shape.federation, self.quantizer, device)
-                                       for _ in range(shape.federation)] for start in starts]
+                    self.residuals = [
+                        [
+                            residual_for(start.numel(), shape.federation, self.quantizer, device)
+                            for _ in range(shape.federation)
+                        ]
+                        for start in starts
+                    ]
         # parameters left out of algorithm.federate stay local: the groups never hold one model
         self.partial = self.fedavg is not None and len(self.federated) < len(self.groups.names)
 
     # --- the model, batched over groups --------------------------------------------------------
     def _loss(self, params: dict, x: torch.Tensor) -> torch.Tensor:
-        return functional_call(self.model, (params, self.buffers), args=(),
-                               kwargs={"input_ids": x, "labels": x}).loss
+        return functional_call(self.model, (params, self.buffers), args=(), kwargs={"input_ids": x, "labels": x}).loss
 
     def losses(self, params: dict, x: torch.Tensor) -> torch.Tensor:
         """Each group's mean loss on its own sequences: params [F, ...], x [F, B, T] -> [F]."""
@@ -126,8 +144,9 @@ class Simulation:
 
     def fragment_names(self) -> list[list[str]]:
         """The federated parameters of each fragment, in order."""
-        return [[n for n, f in zip(self.federated, self.fragment) if f == p]
-                for p in range(self.fedavg.streaming.fragments)]
+        return [
+            [n for n, f in zip(self.federated, self.fragment) if f == p] for p in range(self.fedavg.streaming.fragments)
+        ]
 
     def _base(self, p: int) -> torch.Tensor:
         """What fragment p's change is taken from (quantised): the anchor, or the reference."""
@@ -139,8 +158,10 @@ class Simulation:
         names = self.fragment_names()[p]
         if self.quantizer is None:
             return torch.cat([t.reshape(-1) for t in self.average(names)])
-        changes = [torch.cat([self.groups[n][g].reshape(-1) for n in names]).float() - self._base(p)
-                   for g in range(self.shape.federation)]
+        changes = [
+            torch.cat([self.groups[n][g].reshape(-1) for n in names]).float() - self._base(p)
+            for g in range(self.shape.federation)
+        ]
         residuals = self.residuals[p] if self.residuals is not None and feedback else None
         return quantized_mean(changes, self.quantizer, residuals)
 
@@ -191,8 +212,10 @@ class Simulation:
                 break
             out.append(x.flatten(0, 1))
         if not out:
-            raise ConfigError(f"dataset.eval_blocks: {len(self.blocks.eval)} held-out blocks are too few for "
-                              f"one batch of {cfg.trainer.batch_size} on each of {ranks} ranks")
+            raise ConfigError(
+                f"dataset.eval_blocks: {len(self.blocks.eval)} held-out blocks are too few for "
+                f"one batch of {cfg.trainer.batch_size} on each of {ranks} ranks"
+            )
         return torch.cat(out).to(self.device)
 
     @torch.no_grad()
@@ -225,8 +248,14 @@ class Simulation:
                 averaged = self.evaluated_average()
                 loss = self.evaluate({n: averaged[n].unsqueeze(0) for n in params}, world).item()
                 extra.update(eval_of=AVERAGE, averaged=True)
-        return {"split": "eval", "step": step, "loss": loss, "perplexity": math.exp(loss),
-                "time_eval": time.perf_counter() - start, **extra}
+        return {
+            "split": "eval",
+            "step": step,
+            "loss": loss,
+            "perplexity": math.exp(loss),
+            "time_eval": time.perf_counter() - start,
+            **extra,
+        }
 
     # --- the run ---------------------------------------------------------------------------------
     def run(self, run_dir: str) -> dict:
@@ -259,10 +288,17 @@ class Simulation:
             if not math.isfinite(mean_loss):
                 raise FloatingPointError(f"non-finite loss ({mean_loss}) at step {step}: stopping")
             train_time += step_time
-            row = {"step": step, "loss": mean_loss, "perplexity": math.exp(mean_loss), "lr": lr,
-                   "tokens": step * tokens_per_step, **{f"time_{p}": times[p] for p in PHASES},
-                   "time_step": step_time, **{f"critical_{p}": times[p] for p in PHASES},  # one process
-                   "aggregated": aggregated}
+            row = {
+                "step": step,
+                "loss": mean_loss,
+                "perplexity": math.exp(mean_loss),
+                "lr": lr,
+                "tokens": step * tokens_per_step,
+                **{f"time_{p}": times[p] for p in PHASES},
+                "time_step": step_time,
+                **{f"critical_{p}": times[p] for p in PHASES},  # one process
+                "aggregated": aggregated,
+            }
             if aggregated:  # as the trainer's rows
                 row.update(fragment_fields(self.fedavg, due))
             recorder.log(row)
@@ -271,8 +307,18 @@ class Simulation:
                 recorder.log(self.eval_row(step, self.fedavg is not None and not synced))
         final = self.eval_row(steps, groups_differ=False)
         recorder.log(final)
-        summary = run_summary(cfg, shape, self.fedavg, steps, shape.world, tokens_per_step, train_time, row, final,
-                              executed={"executor": "simulator", "network": "none", "network_link": None})
+        summary = run_summary(
+            cfg,
+            shape,
+            self.fedavg,
+            steps,
+            shape.world,
+            tokens_per_step,
+            train_time,
+            row,
+            final,
+            executed={"executor": "simulator", "network": "none", "network_link": None},
+        )
         recorder.finish(summary)
         return summary
 

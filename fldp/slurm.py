@@ -8,13 +8,13 @@ checkpoint and preflight, which import torch, are imported where they are used.
 
 Inside the job, fldp.launch.from_environment turns the srun task's SLURM variables into the
 torch.distributed world, with the rendezvous from `fldp.launch.rendezvous()`."""
+
 from __future__ import annotations
 
 import functools
 import json
 import logging
 import os
-import re
 import shlex
 import signal
 import subprocess
@@ -39,6 +39,7 @@ def submits(cfg) -> bool:
 
 
 # --- inside the job ---------------------------------------------------------------------------
+
 
 def run_rank(cfg, run_dir: str, run):
     """What every task of a submitted job runs (pickled by submitit): run(cfg, run_dir), fldp.train's
@@ -80,17 +81,25 @@ def requeue(cfg, run_dir: str, step: int):
     taken for ended. Past the limit the job fails, saying how to continue."""
     job, restarts = os.environ["SLURM_JOB_ID"], int(os.environ.get("SLURM_RESTART_COUNT", 0))
     if restarts >= cfg.cluster.max_requeue:
-        raise WorkerError(f"SLURM job {job} was warned of its end after {restarts} requeues (cluster.max_requeue="
-                          f"{cfg.cluster.max_requeue}); its checkpoint after step {step} is in {run_dir}: continue "
-                          f"with trainer.resume=auto hydra.run.dir={run_dir}")
+        raise WorkerError(
+            f"SLURM job {job} was warned of its end after {restarts} requeues (cluster.max_requeue="
+            f"{cfg.cluster.max_requeue}); its checkpoint after step {step} is in {run_dir}: continue "
+            f"with trainer.resume=auto hydra.run.dir={run_dir}"
+        )
     if int(os.environ.get("SLURM_PROCID", 0)) == 0:
         subprocess.run(["scontrol", "requeue", job], check=True, capture_output=True, timeout=60)
-        log.warning("SLURM job %s: checkpoint after step %d, requeued (%d of cluster.max_requeue=%d)",
-                    job, step, restarts + 1, cfg.cluster.max_requeue)
+        log.warning(
+            "SLURM job %s: checkpoint after step %d, requeued (%d of cluster.max_requeue=%d)",
+            job,
+            step,
+            restarts + 1,
+            cfg.cluster.max_requeue,
+        )
     raise SystemExit(0)  # no result pickle: the submitter keeps following the job
 
 
 # --- elastic federation: each federation group a job step of the one job (fldp/elastic.py) ------
+
 
 def group_step_command(shape, topology, group: int, restart: int, spec, lighthouse: str) -> list[str]:
     """The srun that starts group `group`'s ranks as a job step: on the nodes of its ranks' places in
@@ -98,10 +107,24 @@ def group_step_command(shape, topology, group: int, restart: int, spec, lighthou
     srun ends the step, and only it, when one of its tasks dies."""
     ppn = topology.procs_per_node
     first, last = group * shape.group_size // ppn, ((group + 1) * shape.group_size - 1) // ppn
-    return ["srun", "--overlap", f"--nodes={last - first + 1}", f"--relative={first}",
-            f"--ntasks={shape.group_size}", f"--ntasks-per-node={min(shape.group_size, ppn)}",
-            "--kill-on-bad-exit=1", f"--job-name=fldp-group{group}",
-            sys.executable, "-u", "-m", "fldp.group_step", str(spec), str(group), str(restart), lighthouse]
+    return [
+        "srun",
+        "--overlap",
+        f"--nodes={last - first + 1}",
+        f"--relative={first}",
+        f"--ntasks={shape.group_size}",
+        f"--ntasks-per-node={min(shape.group_size, ppn)}",
+        "--kill-on-bad-exit=1",
+        f"--job-name=fldp-group{group}",
+        sys.executable,
+        "-u",
+        "-m",
+        "fldp.group_step",
+        str(spec),
+        str(group),
+        str(restart),
+        lighthouse,
+    ]
 
 
 def group_step_port(shape, job_id: int, group: int, restart: int) -> int:
@@ -114,14 +137,19 @@ def group_step_port(shape, job_id: int, group: int, restart: int) -> int:
 def elastic_plan(cfg, shape: MeshShape, run_dir: str) -> str:
     """What the dry run shows of an elastic run's job: the supervisor's part and each group's step."""
     spec = Path(run_dir).absolute() / "elastic_logs" / "run.pkl"
-    steps = "\n".join(shlex.join(group_step_command(shape, cfg.topology, g, 0, spec, "http://FIRST_NODE:PORT"))
-                      for g in range(shape.federation))
-    return (f"--- elastic federation: the job's one task (first node) runs the torchft lighthouse and starts "
-            f"each group as a job step, again when it fails (cluster.max_restarts="
-            f"{cfg.cluster.get('max_restarts', 3)}); MASTER_PORT per group and restart ---\n{steps}")
+    steps = "\n".join(
+        shlex.join(group_step_command(shape, cfg.topology, g, 0, spec, "http://FIRST_NODE:PORT"))
+        for g in range(shape.federation)
+    )
+    return (
+        f"--- elastic federation: the job's one task (first node) runs the torchft lighthouse and starts "
+        f"each group as a job step, again when it fails (cluster.max_restarts="
+        f"{cfg.cluster.get('max_restarts', 3)}); MASTER_PORT per group and restart ---\n{steps}"
+    )
 
 
 # --- the job's shape --------------------------------------------------------------------------
+
 
 def job_setup(setup, cpus_per_task) -> list[str]:
     """The cluster's setup lines, plus what every fldp job needs: one BLAS/OpenMP pool per rank
@@ -149,17 +177,25 @@ def job_parameters(cfg, shape: MeshShape) -> dict:
     c, t = cfg.cluster, cfg.topology
     if t.device == "cuda":
         if c.gpus_per_node is None:
-            raise ConfigError(f"cluster.gpus_per_node=null but topology={t.name} runs on cuda: set it to "
-                              f"topology.procs_per_node={t.procs_per_node} (one rank per GPU)")
+            raise ConfigError(
+                f"cluster.gpus_per_node=null but topology={t.name} runs on cuda: set it to "
+                f"topology.procs_per_node={t.procs_per_node} (one rank per GPU)"
+            )
         if c.gpus_per_node != t.procs_per_node:
-            raise ConfigError(f"cluster.gpus_per_node={c.gpus_per_node} but topology.procs_per_node="
-                              f"{t.procs_per_node}: fldp runs one rank per GPU")
+            raise ConfigError(
+                f"cluster.gpus_per_node={c.gpus_per_node} but topology.procs_per_node="
+                f"{t.procs_per_node}: fldp runs one rank per GPU"
+            )
     params = {
         "job_name": f"fldp-{cfg.algorithm.name}-{t.name}",
-        "nodes": t.nodes, "ntasks_per_node": t.procs_per_node, "cpus_per_task": c.cpus_per_task,
+        "nodes": t.nodes,
+        "ntasks_per_node": t.procs_per_node,
+        "cpus_per_task": c.cpus_per_task,
         "gpus_per_node": c.gpus_per_node if t.device == "cuda" else None,
-        "mem": f"{c.mem_gb}GB" if c.mem_gb else None, "time": c.time_min,
-        "partition": c.partition, "account": _unless_from_env(c.account, "SBATCH_ACCOUNT"),
+        "mem": f"{c.mem_gb}GB" if c.mem_gb else None,
+        "time": c.time_min,
+        "partition": c.partition,
+        "account": _unless_from_env(c.account, "SBATCH_ACCOUNT"),
         "qos": _unless_from_env(c.qos, "SBATCH_QOS"),
         "setup": job_setup(c.setup, c.cpus_per_task),
         "additional_parameters": extra_sbatch(c.sbatch, c.exclusive),
@@ -181,8 +217,10 @@ def job_folder_of(cfg, run_dir: str) -> Path:
     to slurm-jobs/ in the nearest directory above it without a '%' (the sweep's), apart by job id."""
     if cfg.cluster.folder:
         if "%" in str(cfg.cluster.folder):
-            raise ConfigError(f"cluster.folder={cfg.cluster.folder}: sbatch reads '%' in a log path as a "
-                              "file-name pattern; choose a folder without one")
+            raise ConfigError(
+                f"cluster.folder={cfg.cluster.folder}: sbatch reads '%' in a log path as a "
+                "file-name pattern; choose a folder without one"
+            )
         return Path(cfg.cluster.folder).absolute() / "%j"
     run = Path(run_dir).absolute()
     if "%" not in str(run):
@@ -196,22 +234,44 @@ def sbatch_script(params: dict, job_folder: Path) -> str:
     paths, its 90 s warning signal, append mode, its wckey); tests/test_slurm.py compares it with the
     script submitit really submitted for a job."""
     log_file = str(job_folder / "%j_%t_log")  # submitit's per-task logs; sbatch's own are task 0's
-    options = {k: v for k, v in params.items()
-               if k not in ("setup", "signal_delay_s", "additional_parameters", "srun_args")}
-    options.update(signal=f"USR2@{params.get('signal_delay_s', 90)}", output=log_file.replace("%t", "0") + ".out",
-                   error=log_file.replace("%t", "0") + ".err", open_mode="append", wckey="submitit")
+    options = {
+        k: v for k, v in params.items() if k not in ("setup", "signal_delay_s", "additional_parameters", "srun_args")
+    }
+    options.update(
+        signal=f"USR2@{params.get('signal_delay_s', 90)}",
+        output=log_file.replace("%t", "0") + ".out",
+        error=log_file.replace("%t", "0") + ".err",
+        open_mode="append",
+        wckey="submitit",
+    )
     options.update(params.get("additional_parameters") or {})
     flags = sorted((key.replace("_", "-"), value) for key, value in options.items())
-    srun = ["srun", "--unbuffered", "--output", f"{log_file}.out", "--error", f"{log_file}.err",
-            *params.get("srun_args", [])]
-    return "\n".join([
-        "#!/bin/bash", "", "# Parameters",
-        *(f"#SBATCH --{flag}" if value is True else f"#SBATCH --{flag}={shlex.quote(str(value))}"
-          for flag, value in flags),
-        *(["", "# setup", *params["setup"]] if params.get("setup") is not None else []),
-        "", "# command", "export SUBMITIT_EXECUTOR=slurm",
-        f"{shlex.join(srun)} {sys.executable} -u -m submitit.core._submit {job_folder}", "",
-    ])
+    srun = [
+        "srun",
+        "--unbuffered",
+        "--output",
+        f"{log_file}.out",
+        "--error",
+        f"{log_file}.err",
+        *params.get("srun_args", []),
+    ]
+    return "\n".join(
+        [
+            "#!/bin/bash",
+            "",
+            "# Parameters",
+            *(
+                f"#SBATCH --{flag}" if value is True else f"#SBATCH --{flag}={shlex.quote(str(value))}"
+                for flag, value in flags
+            ),
+            *(["", "# setup", *params["setup"]] if params.get("setup") is not None else []),
+            "",
+            "# command",
+            "export SUBMITIT_EXECUTOR=slurm",
+            f"{shlex.join(srun)} {sys.executable} -u -m submitit.core._submit {job_folder}",
+            "",
+        ]
+    )
 
 
 def planned_steps(cfg, world: int):
@@ -237,7 +297,8 @@ def describe(cfg, shape: MeshShape, params: dict) -> str:
     lines = [
         f"mesh: {cfg.algorithm.name} {shape} (federation x replicate x shard) = {shape.world} ranks; "
         f"a federation group is {shape.group_size} ranks ({group_nodes:g} node(s)), a sharding group "
-        f"{shape.shard} ranks" + (f"; FedAvg {schedule_text(cfg.algorithm.every)}" if shape.federation > 1 else "")
+        f"{shape.shard} ranks"
+        + (f"; FedAvg {schedule_text(cfg.algorithm.every)}" if shape.federation > 1 else "")
         + (f", {fedavg.get('mode')}" if shape.federation > 1 and shape.replicate > 1 else ""),
         f"run: model {cfg.model.name}, dataset {cfg.dataset.name}, {tr.precision}, batch {tr.batch_size} per "
         f"rank, {steps if steps is not None else 'one pass of'} steps, {cfg.optimizer.name} lr {cfg.optimizer.lr}, "
@@ -251,12 +312,16 @@ def describe(cfg, shape: MeshShape, params: dict) -> str:
     ]
     if t.get("paper_setting"):
         differ = differences(cfg, paper_config(cfg.algorithm.name, t.name))
-        lines.append("setting: the paper's (paper.md, Section 5)" if not differ else
-                     "setting: NOT the paper's; differs in " + "; ".join(differ))
+        lines.append(
+            "setting: the paper's (paper.md, Section 5)"
+            if not differ
+            else "setting: NOT the paper's; differs in " + "; ".join(differ)
+        )
     return "\n".join(lines)
 
 
 # --- submission -------------------------------------------------------------------------------
+
 
 def submit(cfg, run_dir: str, shape: MeshShape, run, sweep_point: bool = False) -> dict | None:
     """Submit the run as one job whose every task calls run(cfg, run_dir) (run_rank). With
@@ -268,11 +333,14 @@ def submit(cfg, run_dir: str, shape: MeshShape, run, sweep_point: bool = False) 
     params = job_parameters(cfg, shape)
     found = preflight.problems(cfg, run_dir)  # what the job would find out only after its wait in the queue
     if cfg.cluster.dry_run:
-        print(f"fldp: dry run (cluster={cfg.cluster.name}): nothing submitted\n{describe(cfg, shape, params)}\n"
-              f"records: {Path(run_dir).absolute()}\n--- sbatch script ---\n"
-              f"{sbatch_script(params, job_folder_of(cfg, run_dir))}\n"
-              + (f"{elastic_plan(cfg, shape, run_dir)}\n" if cfg.algorithm.get("elastic") else "")
-              + preflight.report(found), flush=True)
+        print(
+            f"fldp: dry run (cluster={cfg.cluster.name}): nothing submitted\n{describe(cfg, shape, params)}\n"
+            f"records: {Path(run_dir).absolute()}\n--- sbatch script ---\n"
+            f"{sbatch_script(params, job_folder_of(cfg, run_dir))}\n"
+            + (f"{elastic_plan(cfg, shape, run_dir)}\n" if cfg.algorithm.get("elastic") else "")
+            + preflight.report(found),
+            flush=True,
+        )
         return None
     if found := [*preflight.no_slurm(cfg), *found]:
         raise ConfigError(f"nothing submitted; {preflight.report(found)}")
@@ -281,9 +349,11 @@ def submit(cfg, run_dir: str, shape: MeshShape, run, sweep_point: bool = False) 
         _submitted.append((job, run_dir, cfg.cluster.poll_s))
         return None
     if not cfg.cluster.wait:
-        print(f"fldp: submitted SLURM job {job.job_id} ({shape.world} ranks on {cfg.topology.nodes} nodes); "
-              f"records in {run_dir}; follow with `squeue -j {job.job_id}`, cancel with `scancel {job.job_id}`",
-              flush=True)
+        print(
+            f"fldp: submitted SLURM job {job.job_id} ({shape.world} ranks on {cfg.topology.nodes} nodes); "
+            f"records in {run_dir}; follow with `squeue -j {job.job_id}`, cancel with `scancel {job.job_id}`",
+            flush=True,
+        )
         return None
     try:
         return follow(job, run_dir, cfg.cluster.poll_s)
@@ -315,15 +385,21 @@ def follow_submitted(wait: bool = True) -> int:
     for i, (job, run_dir, poll_s) in enumerate(pending):
         try:
             summary = follow(job, run_dir, poll_s)
-            print(f"fldp: SLURM job {job.job_id} finished: {run_dir}: eval perplexity "
-                  f"{summary['eval_perplexity']:.2f}", file=sys.stderr, flush=True)
+            print(
+                f"fldp: SLURM job {job.job_id} finished: {run_dir}: eval perplexity {summary['eval_perplexity']:.2f}",
+                file=sys.stderr,
+                flush=True,
+            )
         except WorkerError as e:
             failed += 1
             print(f"fldp: sweep point {run_dir} failed: {e}", file=sys.stderr, flush=True)
         except KeyboardInterrupt:
             left = " ".join(str(j.job_id) for j, _, _ in pending[i:])
-            print(f"fldp: stopped following; the jobs keep running (scancel {left} to stop them)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"fldp: stopped following; the jobs keep running (scancel {left} to stop them)",
+                file=sys.stderr,
+                flush=True,
+            )
             raise
     return failed
 
@@ -351,16 +427,31 @@ def submit_job(cfg, run_dir: str, shape: MeshShape, fn):
         job = executor.submit(fn, cfg, str(Path(run_dir).absolute()))
     except Exception as e:  # sbatch refused it: EnforcePartLimits, bad account/qos/partition
         raise WorkerError(f"sbatch refused the job: {e}") from None
-    log.info("submitted SLURM job %s: %s; records in %s, logs in %s", job.job_id,
-             describe(cfg, shape, params).replace("\n", "; "), run_dir, job.paths.folder)
+    log.info(
+        "submitted SLURM job %s: %s; records in %s, logs in %s",
+        job.job_id,
+        describe(cfg, shape, params).replace("\n", "; "),
+        run_dir,
+        job.paths.folder,
+    )
     return job
 
 
 # SLURM's states of a job that has ended (squeue(1) "JOB STATE CODES"); every other state, e.g.
 # SIGNALING or REQUEUE_HOLD while a job requeues itself, means it may still run. Listing the
 # ended ones, not the running ones, keeps a state we did not foresee from ending the wait early.
-_ENDED = ("BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY",
-          "REVOKED", "TIMEOUT", "ENDED")
+_ENDED = (
+    "BOOT_FAIL",
+    "CANCELLED",
+    "COMPLETED",
+    "DEADLINE",
+    "FAILED",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "REVOKED",
+    "TIMEOUT",
+    "ENDED",
+)
 
 
 def ended(state: str) -> bool:
@@ -384,8 +475,10 @@ def follow(job, run_dir: str, poll_s: float, timeout_s: float | None = None) -> 
         if ended(state):
             return outcome(job, run_dir)
         if deadline is not None and time.monotonic() > deadline:
-            raise WorkerError(f"SLURM job {job.job_id} still {state} after {timeout_s:g} s"
-                              f"{waiting_reason(job.job_id)}; logs: {job.paths.folder}")
+            raise WorkerError(
+                f"SLURM job {job.job_id} still {state} after {timeout_s:g} s"
+                f"{waiting_reason(job.job_id)}; logs: {job.paths.folder}"
+            )
         time.sleep(poll_s)
 
 
@@ -456,5 +549,8 @@ def outcome(job, run_dir: str) -> dict:
         return json.loads(summary.read_text())
     state = job_state(job)
     tail = "\n".join((tasks[0].stderr() or "").strip().splitlines()[-15:])
-    raise WorkerError(f"SLURM job {job.job_id} ended {state} without a Python error and without records"
-                      + (f"; end of rank 0's stderr:\n{tail}" if tail else "") + f"\n{logs}")
+    raise WorkerError(
+        f"SLURM job {job.job_id} ended {state} without a Python error and without records"
+        + (f"; end of rank 0's stderr:\n{tail}" if tail else "")
+        + f"\n{logs}"
+    )

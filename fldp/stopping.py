@@ -9,6 +9,7 @@ thread's bytecodes, so no write of its own is cut short; a signal that arrives i
 from inside a W&B call would deadlock on W&B's own lock.
 
 Imports nothing of fldp and not torch: records.py uses it, and the launcher installs it."""
+
 from __future__ import annotations
 
 import atexit
@@ -16,10 +17,10 @@ import contextlib
 import os
 import signal
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 _hooks: list[Callable[[int], None]] = []
-_depth = 0                   # open uninterrupted() blocks
+_depth = 0  # open uninterrupted() blocks
 _pending: int | None = None  # a signal that arrived inside one
 _exit_registered = False
 

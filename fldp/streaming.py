@@ -25,6 +25,7 @@ and `fragment_update_alpha`, on the same steps. tau < A / P, so one fragment at 
 The last step ends every fragment global (alpha 0 there): the fragments in flight merge, the others
 aggregate at once.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ class Exchange:
     """What the aggregation does after one step: start the all-reduces of `sends`, then merge
     `merges` (their averages, mixed with the local weights by `alpha`). Without overlap, a fragment
     is sent and merged at once."""
+
     sends: tuple[int, ...] = ()
     merges: tuple[int, ...] = ()
     alpha: float = 0.0
@@ -60,6 +62,7 @@ class Exchange:
 @dataclass(frozen=True)
 class StreamingConfig:
     """algorithm.streaming: how the federated parameters are split and when each part aggregates."""
+
     fragments: int = 1
     layout: str = "strided"
     overlap: int = 0
@@ -90,18 +93,25 @@ class StreamingConfig:
         if self.fragments == 1 and not self.exchanges:
             return schedule[0][1]
         if len(schedule) > 1:
-            what = (f"fragments={self.fragments}" if self.fragments > 1
-                    else f"overlap={self.overlap}, alpha={self.alpha}")
-            raise ConfigError(f"algorithm.streaming.{what} with a schedule algorithm.every="
-                              f"{[list(p) for p in schedule]}: streaming needs one period A (not built yet)")
+            what = (
+                f"fragments={self.fragments}" if self.fragments > 1 else f"overlap={self.overlap}, alpha={self.alpha}"
+            )
+            raise ConfigError(
+                f"algorithm.streaming.{what} with a schedule algorithm.every="
+                f"{[list(p) for p in schedule]}: streaming needs one period A (not built yet)"
+            )
         every = schedule[0][1]
         if every % self.fragments:
-            raise ConfigError(f"algorithm.streaming.fragments={self.fragments} must divide algorithm.every={every}: "
-                              "each fragment aggregates every A steps, A / P steps after the one before")
+            raise ConfigError(
+                f"algorithm.streaming.fragments={self.fragments} must divide algorithm.every={every}: "
+                "each fragment aggregates every A steps, A / P steps after the one before"
+            )
         if self.overlap >= every // self.fragments:
-            raise ConfigError(f"algorithm.streaming.overlap={self.overlap} must be less than algorithm.every / "
-                              f"fragments = {every // self.fragments}: a fragment's all-reduce must end before the "
-                              "next fragment's starts")
+            raise ConfigError(
+                f"algorithm.streaming.overlap={self.overlap} must be less than algorithm.every / "
+                f"fragments = {every // self.fragments}: a fragment's all-reduce must end before the "
+                "next fragment's starts"
+            )
         return every
 
     def due(self, step: int, every: int, last_step: int) -> tuple[int, ...]:
@@ -135,9 +145,11 @@ class StreamingConfig:
         present = sorted(set(units))
         count = len(present)
         if self.fragments > count:
-            raise ConfigError(f"algorithm.streaming.fragments={self.fragments}: the federated parameters lie in "
-                              f"{_units_named(present)}; a fragment is a set of these units, so at most {count} "
-                              f"fragment{'s' * (count != 1)} (fewer fragments, or a wider algorithm.federate)")
+            raise ConfigError(
+                f"algorithm.streaming.fragments={self.fragments}: the federated parameters lie in "
+                f"{_units_named(present)}; a fragment is a set of these units, so at most {count} "
+                f"fragment{'s' * (count != 1)} (fewer fragments, or a wider algorithm.federate)"
+            )
         rank = {u: i for i, u in enumerate(present)}
         if self.layout == "strided":
             return [rank[u] % self.fragments for u in units]
@@ -148,5 +160,6 @@ def _units_named(units: list[int]) -> str:
     """FSDP units in words: 'the root and 2 decoder layers' / '1 FSDP unit (decoder layer 3)'."""
     layers = [u - 1 for u in units if u]
     parts = (["the root"] if 0 in units else []) + (
-        [f"{len(layers)} decoder layer{'s' * (len(layers) != 1)} ({', '.join(map(str, layers))})"] if layers else [])
+        [f"{len(layers)} decoder layer{'s' * (len(layers) != 1)} ({', '.join(map(str, layers))})"] if layers else []
+    )
     return f"{len(units)} FSDP unit{'s' * (len(units) != 1)}: " + " and ".join(parts)

@@ -10,6 +10,7 @@ value that wins (the last), and the name is one path component of at most 255 by
 Re-running a multirun into the same `hydra.sweep.dir` skips each point whose directory holds
 `summary.json` (written last, atomically: the run finished); `trainer.skip_finished=false` does not.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -19,9 +20,9 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
-NAME_MAX = 255      # bytes in one path component (ext4, XFS, Btrfs, Lustre, GPFS, NFS)
-HASH_CHARS = 16     # hex digits of SHA-256 that end a shortened name (64 bits)
-NO_OVERRIDES = "defaults"   # has no '=', so no point with an override (key=value, ~key) is named so
+NAME_MAX = 255  # bytes in one path component (ext4, XFS, Btrfs, Lustre, GPFS, NFS)
+HASH_CHARS = 16  # hex digits of SHA-256 that end a shortened name (64 bits)
+NO_OVERRIDES = "defaults"  # has no '=', so no point with an override (key=value, ~key) is named so
 
 
 def point_dirname(overrides, exclude_keys=()) -> str:
@@ -45,7 +46,7 @@ def component(name: str) -> str:
         return name
     digest = hashlib.sha256(raw).hexdigest()[:HASH_CHARS]
     # cut on a character boundary; the only '#' is the one before the hash, the others being %23
-    head = raw[:NAME_MAX - 1 - HASH_CHARS].decode(errors="ignore")
+    head = raw[: NAME_MAX - 1 - HASH_CHARS].decode(errors="ignore")
     return f"{head}#{digest}"
 
 
@@ -72,6 +73,7 @@ def hydra_output_subdir(name: str, *, _root_) -> str | None:
     """hydra.output_subdir: Hydra writes the run's config into `.hydra/` before the run starts. Not
     into a directory whose records this run leaves alone (a skipped point, a refused run): its
     `.hydra/` stays the config its records came from, which the analysis reads."""
+
     def get(key):
         return OmegaConf.select(_root_, key, throw_on_resolution_failure=False)
 

@@ -6,6 +6,7 @@ algorithm and topology, the trainer and optimiser settings, the data and tokeniz
 torch and what imports it (launch, aggregation, checkpoint, data) are imported by the
 functions that need them, not at the top: `--help`, `--cfg job` and shell completion need none of
 it, and importing torch takes seconds."""
+
 from __future__ import annotations
 
 import contextlib
@@ -62,9 +63,11 @@ def check_with_torch(cfg: DictConfig) -> None:
         names = [name for name, _ in model.named_parameters()]
         federation.streaming.fragment_of([n for n, keep in zip(names, federation.federated(names)) if keep])
     if federation is not None and federation.streaming.overlap and cfg.comm.emulate:
-        raise ConfigError(f"algorithm.streaming.overlap={federation.streaming.overlap} with comm.emulate=true: the "
-                          "emulation sleeps as each collective is called, so it cannot show an all-reduce in "
-                          "flight behind training; emulate the network with a netns topology (e.g. topology=netns_4x2)")
+        raise ConfigError(
+            f"algorithm.streaming.overlap={federation.streaming.overlap} with comm.emulate=true: the "
+            "emulation sleeps as each collective is called, so it cannot show an all-reduce in "
+            "flight behind training; emulate the network with a netns topology (e.g. topology=netns_4x2)"
+        )
     from . import elastic
 
     elastic.check(cfg)
@@ -73,8 +76,10 @@ def check_with_torch(cfg: DictConfig) -> None:
         return
     if cfg.topology.device == "cuda" and not slurm.submits(cfg) and not torch.cuda.is_available():
         launcher = f", cluster.launcher={cfg.cluster.launcher}" if cfg.cluster.get("launcher") else ""
-        raise ConfigError(f"topology.device=cuda (topology={cfg.topology.name}): no CUDA device here, where "
-                          f"cluster={cfg.cluster.name}{launcher} runs the workers")
+        raise ConfigError(
+            f"topology.device=cuda (topology={cfg.topology.name}): no CUDA device here, where "
+            f"cluster={cfg.cluster.name}{launcher} runs the workers"
+        )
     # emulated nodes: the link's keys, root, `ip` and `tc`
     netns.check(cfg, forks_locally=launch.from_environment() is None and not slurm.submits(cfg))
 
@@ -88,15 +93,19 @@ def check_simulation(cfg) -> None:
     import torch
 
     if cfg.trainer.checkpoint_every or cfg.trainer.resume:
-        raise ConfigError(f"trainer.checkpoint_every={cfg.trainer.checkpoint_every}, trainer.resume="
-                          f"{cfg.trainer.resume}: cluster=simulate keeps no checkpoints (a simulated run is "
-                          "short enough to run again)")
+        raise ConfigError(
+            f"trainer.checkpoint_every={cfg.trainer.checkpoint_every}, trainer.resume="
+            f"{cfg.trainer.resume}: cluster=simulate keeps no checkpoints (a simulated run is "
+            "short enough to run again)"
+        )
     if cfg.comm.emulate:
         raise ConfigError("comm.emulate=true: cluster=simulate sends nothing to emulate")
     reduce_dtype = (cfg.algorithm.get("outer") or {}).get("reduce_dtype")
     if cfg.algorithm.get("aggregation") and reduce_dtype not in (None, cfg.trainer.precision):
-        raise ConfigError(f"algorithm.outer.reduce_dtype={reduce_dtype}: cluster=simulate reduces in the "
-                          f"parameters' dtype ({cfg.trainer.precision}) only; use null")
+        raise ConfigError(
+            f"algorithm.outer.reduce_dtype={reduce_dtype}: cluster=simulate reduces in the "
+            f"parameters' dtype ({cfg.trainer.precision}) only; use null"
+        )
     if cfg.cluster.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("cluster.device=cuda: no CUDA device here")
 
@@ -119,30 +128,43 @@ def check_run_dir(cfg, shape, run_dir: str) -> None:
     if saved is not None:
         check_mesh(saved, shape)
         federation = FedAvgConfig.from_algorithm(cfg.algorithm)
-        check_schedule(saved, federation.schedule if federation else None,
-                       federation.streaming.fragments if federation else 1, federation)
+        check_schedule(
+            saved,
+            federation.schedule if federation else None,
+            federation.streaming.fragments if federation else 1,
+            federation,
+        )
 
 
 def check_not_another_run(cfg, run_dir: str) -> None:
     if sweep.refused(run_dir, cfg.trainer.resume):
-        raise ConfigError(f"hydra.run.dir={run_dir} already holds a run's metrics.jsonl or checkpoints/: "
-                          f"continue it with trainer.resume=auto, or choose another hydra.run.dir")
+        raise ConfigError(
+            f"hydra.run.dir={run_dir} already holds a run's metrics.jsonl or checkpoints/: "
+            f"continue it with trainer.resume=auto, or choose another hydra.run.dir"
+        )
 
 
 def check_vocab(cfg, blocks) -> None:
     if cfg.model.vocab_size is not None and blocks.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(f"dataset.tokenizer={cfg.dataset.tokenizer} has {blocks.vocab_size} tokens but "
-                          f"model.vocab_size={cfg.model.vocab_size}: token ids would overflow the embedding")
+        raise ConfigError(
+            f"dataset.tokenizer={cfg.dataset.tokenizer} has {blocks.vocab_size} tokens but "
+            f"model.vocab_size={cfg.model.vocab_size}: token ids would overflow the embedding"
+        )
 
 
 def check_blocks(cfg, blocks, world: int) -> None:
     """One batch per rank in each split, or the workers would fail on it (trainer.total_steps, evaluate)."""
     d, batch = cfg.dataset, cfg.trainer.batch_size
-    for split, n, key in (("training", len(blocks.train), "train_blocks"), ("held-out", len(blocks.eval), "eval_blocks")):
+    for split, n, key in (
+        ("training", len(blocks.train), "train_blocks"),
+        ("held-out", len(blocks.eval), "eval_blocks"),
+    ):
         if n // world < batch:
-            raise ConfigError(f"dataset.{key}={d[key]}: {n} {split} blocks of dataset.block_size={d.block_size} "
-                              f"tokens are too few for trainer.batch_size={batch} on each of {world} ranks "
-                              f"(need {batch * world})")
+            raise ConfigError(
+                f"dataset.{key}={d[key]}: {n} {split} blocks of dataset.block_size={d.block_size} "
+                f"tokens are too few for trainer.batch_size={batch} on each of {world} ranks "
+                f"(need {batch * world})"
+            )
 
 
 def _rank(cfg, run_dir, blocks, device):
@@ -175,8 +197,12 @@ def run(cfg: DictConfig, run_dir: str, sweep_point: bool = False) -> dict | None
         check_blocks(cfg, blocks, shape.world)
         from . import simulate
 
-        log.info("%s simulated in one process: mesh %s (federation x replicate x shard), records in %s",
-                 cfg.algorithm.name, shape, run_dir)
+        log.info(
+            "%s simulated in one process: mesh %s (federation x replicate x shard), records in %s",
+            cfg.algorithm.name,
+            shape,
+            run_dir,
+        )
         return simulate.run(cfg, run_dir, blocks)
     if env is None and slurm.submits(cfg):  # one SLURM job; the ranks run this function again inside it
         check_run_dir(cfg, shape, run_dir)
@@ -189,8 +215,15 @@ def run(cfg: DictConfig, run_dir: str, sweep_point: bool = False) -> dict | None
         check_vocab(cfg, blocks)
         check_blocks(cfg, blocks, shape.world)
         from . import trainer  # noqa: F401  (import once here, not in each of the forked workers)
-        log.info("%s on %s: mesh %s (federation x replicate x shard), %d local workers, records in %s",
-                 cfg.algorithm.name, cfg.topology.name, shape, shape.world, run_dir)
+
+        log.info(
+            "%s on %s: mesh %s (federation x replicate x shard), %d local workers, records in %s",
+            cfg.algorithm.name,
+            cfg.topology.name,
+            shape,
+            shape.world,
+            run_dir,
+        )
         try:
             if cfg.algorithm.get("elastic"):
                 from . import elastic
@@ -198,11 +231,18 @@ def run(cfg: DictConfig, run_dir: str, sweep_point: bool = False) -> dict | None
                 if cfg.cluster.get("launcher") == "slurm":  # the supervisor, inside the run's one job
                     elastic.run_slurm(cfg, run_dir, shape)
                 else:
-                    elastic.run_local(_group_rank, (cfg, run_dir, blocks), shape, cfg.cluster, run_dir,
-                                      network=netns.from_config(cfg))
+                    elastic.run_local(
+                        _group_rank, (cfg, run_dir, blocks), shape, cfg.cluster, run_dir, network=netns.from_config(cfg)
+                    )
             else:
-                launch.run_local(_rank, (cfg, run_dir, blocks), shape.world, cfg.topology.device, cfg.cluster,
-                                 network=netns.from_config(cfg))
+                launch.run_local(
+                    _rank,
+                    (cfg, run_dir, blocks),
+                    shape.world,
+                    cfg.topology.device,
+                    cfg.cluster,
+                    network=netns.from_config(cfg),
+                )
         except Interrupted as e:
             discard_incomplete(run_dir)  # every worker has exited: a checkpoint without COMPLETE is a cut save
             raise Interrupted(e.signum, f"; {resume_hint(run_dir)}") from None
@@ -236,8 +276,9 @@ def resume_hint(run_dir: str) -> str:
     from .checkpoint import latest
 
     saved = latest(run_dir)
-    where = (f"from {saved} (step {int(saved.name.split('_')[1])})" if saved
-             else "from the start (no complete checkpoint)")
+    where = (
+        f"from {saved} (step {int(saved.name.split('_')[1])})" if saved else "from the start (no complete checkpoint)"
+    )
     return f"continue {where} with trainer.resume=auto hydra.run.dir={run_dir}"
 
 
@@ -261,8 +302,11 @@ def main(cfg: DictConfig) -> dict | None:
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     if sweep.skips(run_dir, multirun, cfg.trainer.get("skip_finished")):
         # before validation: a finished point stands on its records, whatever this config now says
-        log.info("skipped: %s already finished (summary.json); trainer.skip_finished=false trainer.resume=auto "
-                 "runs it again", run_dir)
+        log.info(
+            "skipped: %s already finished (summary.json); trainer.skip_finished=false trainer.resume=auto "
+            "runs it again",
+            run_dir,
+        )
         return None
     name_the_sweep(cfg)
     try:
@@ -277,17 +321,25 @@ def main(cfg: DictConfig) -> dict | None:
         if multirun:
             # Hydra records this point as failed and runs the others; only at the end does it raise
             # the first failure, so say now which point failed and why.
-            log.error("sweep point #%s (%s) failed: %s", HydraConfig.get().job.num,
-                      " ".join(HydraConfig.get().overrides.task), e)
+            log.error(
+                "sweep point #%s (%s) failed: %s",
+                HydraConfig.get().job.num,
+                " ".join(HydraConfig.get().overrides.task),
+                e,
+            )
             raise
         if isinstance(e, ConfigError) and _new_run_dir:
             remove_hydra_files(run_dir)
         print(f"fldp: {'config error' if isinstance(e, ConfigError) else 'run failed'}: {e}", file=sys.stderr)
         sys.exit(2 if isinstance(e, ConfigError) else 1)
     if summary:
-        log.info("train perplexity %.2f in %.2f s, eval perplexity %.2f in %.2f s",
-                 summary["train_perplexity"], summary["train_time_s"],
-                 summary["eval_perplexity"], summary["eval_time_s"])
+        log.info(
+            "train perplexity %.2f in %.2f s, eval perplexity %.2f in %.2f s",
+            summary["train_perplexity"],
+            summary["train_time_s"],
+            summary["eval_perplexity"],
+            summary["eval_time_s"],
+        )
         for offline in sorted(Path(run_dir).glob("wandb/offline-run-*")):
             log.info("W&B offline run in %s; upload it with: wandb sync %s", offline, offline)
     return summary
@@ -368,15 +420,27 @@ def precheck(overrides: list[str], multirun: bool) -> None:
         raise ConfigError(str(e)) from None
     for o in parsed:
         if o.key_or_group == "hydra/launcher" and str(o.value()).startswith(("submitit", "fldp_slurm")):
-            raise ConfigError(f"{o.input_line}: SLURM runs take one path, cluster=slurm (or a site's cluster "
-                              "config), also for a multirun: `-m cluster=slurm ...` submits each point as its own "
-                              "job, skips finished points and requeues at the time limit (docs/slurm.md)")
+            raise ConfigError(
+                f"{o.input_line}: SLURM runs take one path, cluster=slurm (or a site's cluster "
+                "config), also for a multirun: `-m cluster=slurm ...` submits each point as its own "
+                "job, skips finished points and requeues at the time limit (docs/slurm.md)"
+            )
     points = [overrides]
     if multirun:
         try:
-            points = list(itertools.islice(itertools.product(*(
-                [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
-                else [o.input_line] for o in parsed)), MAX_POINTS_CHECKED))
+            points = list(
+                itertools.islice(
+                    itertools.product(
+                        *(
+                            [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()]
+                            if o.is_sweep_override()
+                            else [o.input_line]
+                            for o in parsed
+                        )
+                    ),
+                    MAX_POINTS_CHECKED,
+                )
+            )
         except HydraException:  # a sweep this expansion cannot list (a glob over a group): Hydra's to check
             return
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3", job_name="train"):

@@ -3,6 +3,7 @@
 The algorithms differ only in the mesh they shard over and in whether FedAvg runs every A steps;
 everything else (data, model, optimiser, schedule, timing, records) is shared.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,8 +19,6 @@ from transformers import get_cosine_schedule_with_warmup
 
 from . import elastic, faults
 from .aggregation import FedAvg, FedAvgConfig, fragment_fields
-from .streaming import Exchange
-from .schedule import aggregation_steps
 from .checkpoint import Checkpointer, latest
 from .comm import CommMeter
 from .cost import tier_bandwidth
@@ -29,6 +28,8 @@ from .model import DTYPES, build_model, init_weights, llama_config, parallelize
 from .netns import summary_fields
 from .provenance import run_fields
 from .records import PHASES, Recorder
+from .schedule import aggregation_steps
+from .streaming import Exchange
 
 
 class PhaseTimer:
@@ -59,11 +60,13 @@ class PhaseTimer:
 def build_optimizer(model, opt_cfg):
     if opt_cfg.name == "adamw":
         # torch wants float betas; Hydra reads `optimizer.betas=[0,0]` as ints
-        return torch.optim.AdamW(model.parameters(), lr=opt_cfg.lr, betas=tuple(map(float, opt_cfg.betas)),
-                                 weight_decay=opt_cfg.weight_decay)
+        return torch.optim.AdamW(
+            model.parameters(), lr=opt_cfg.lr, betas=tuple(map(float, opt_cfg.betas)), weight_decay=opt_cfg.weight_decay
+        )
     if opt_cfg.name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=opt_cfg.lr, momentum=opt_cfg.momentum,
-                               weight_decay=opt_cfg.weight_decay)
+        return torch.optim.SGD(
+            model.parameters(), lr=opt_cfg.lr, momentum=opt_cfg.momentum, weight_decay=opt_cfg.weight_decay
+        )
     raise ConfigError(f"optimizer.name={opt_cfg.name!r}: must be adamw or sgd")
 
 
@@ -76,8 +79,10 @@ def total_steps(cfg, blocks: Blocks, world: int) -> int:
     """trainer.steps, or one pass over the training blocks when null (paper: 65,536/(512*2) = 64)."""
     per_epoch = len(blocks.train) // (world * cfg.trainer.batch_size)
     if per_epoch == 0:
-        raise ConfigError(f"trainer.batch_size={cfg.trainer.batch_size}: {len(blocks.train)} training "
-                          f"blocks are too few for one batch on each of {world} ranks")
+        raise ConfigError(
+            f"trainer.batch_size={cfg.trainer.batch_size}: {len(blocks.train)} training "
+            f"blocks are too few for one batch on each of {world} ranks"
+        )
     return cfg.trainer.steps or per_epoch
 
 
@@ -112,8 +117,10 @@ def evaluate(model, cfg, blocks: Blocks, device, groups: int = 1) -> tuple[list[
     rows = _all_ranks([sum(losses), len(losses), time.perf_counter() - start], device).view(groups, size, 3)
     counts = rows[..., 1].sum(dim=1)
     if (counts == 0).any():
-        raise ConfigError(f"dataset.eval_blocks: {len(blocks.eval)} held-out blocks are too few for one "
-                          f"batch of {cfg.trainer.batch_size} on each of {size} ranks")
+        raise ConfigError(
+            f"dataset.eval_blocks: {len(blocks.eval)} held-out blocks are too few for one "
+            f"batch of {cfg.trainer.batch_size} on each of {size} ranks"
+        )
     return (rows[..., 0].sum(dim=1) / counts).tolist(), rows[..., 2].max().item()
 
 
@@ -122,8 +129,7 @@ ONE_MODEL, AVERAGE, GROUPS_MEAN = "the one model", "the groups' average model", 
 GROUP_MODEL = "this group's own model"  # elastic federation, between aggregations
 
 
-def eval_row(model, cfg, blocks: Blocks, device, step: int, fedavg, groups_differ: bool,
-             partial: bool = False) -> dict:
+def eval_row(model, cfg, blocks: Blocks, device, step: int, fedavg, groups_differ: bool, partial: bool = False) -> dict:
     """Score the model, or models, the groups hold; `eval_of` says which loss is the row's `loss`.
     Groups that are identical hold one model: the world scores it, each rank a slice of the split.
     Groups that differ: each group scores its own model on the whole split (`group_perplexity`),
@@ -145,8 +151,7 @@ def eval_row(model, cfg, blocks: Blocks, device, step: int, fedavg, groups_diffe
                 (loss,), average_time = evaluate(model, cfg, blocks, device)
             eval_time += average_time
             extra.update(eval_of=AVERAGE, averaged=True)
-    return {"split": "eval", "step": step, "loss": loss, "perplexity": math.exp(loss),
-            "time_eval": eval_time, **extra}
+    return {"split": "eval", "step": step, "loss": loss, "perplexity": math.exp(loss), "time_eval": eval_time, **extra}
 
 
 def sharded_model(cfg, vocab_size: int, mesh, device: torch.device):
@@ -180,8 +185,11 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None,
 
     fedavg_cfg = FedAvgConfig.from_algorithm(cfg.algorithm)
     federation = elastic_federation(cfg, member, shape) if member else None
-    fedavg = (FedAvg(model, mesh, shape, fedavg_cfg, last_step=steps, resident=not cfg.trainer.async_save,
-                     elastic=federation) if fedavg_cfg else None)
+    fedavg = (
+        FedAvg(model, mesh, shape, fedavg_cfg, last_step=steps, resident=not cfg.trainer.async_save, elastic=federation)
+        if fedavg_cfg
+        else None
+    )
     # parameters left out of algorithm.federate stay local: the groups never hold one model
     partial = fedavg_cfg is not None and not all(fedavg_cfg.federated([n for n, _ in model.named_parameters()]))
     optimizer = build_optimizer(model, cfg.optimizer)
@@ -198,11 +206,18 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None,
             heal = rejoin(fedavg, federation, position, member)
             start = position["step"]
     elif cfg.trainer.checkpoint_every or cfg.trainer.resume:
-        checkpointer = Checkpointer(run_dir, shape, cfg.algorithm.name, cfg.trainer.checkpoint_every, steps,
-                                    stateful={"outer": fedavg} if fedavg is not None else None,
-                                    keep_last=cfg.trainer.keep_last, async_save=cfg.trainer.async_save,
-                                    schedule=fedavg_cfg.schedule if fedavg_cfg else None,
-                                    fragments=fedavg_cfg.streaming.fragments if fedavg_cfg else 1)
+        checkpointer = Checkpointer(
+            run_dir,
+            shape,
+            cfg.algorithm.name,
+            cfg.trainer.checkpoint_every,
+            steps,
+            stateful={"outer": fedavg} if fedavg is not None else None,
+            keep_last=cfg.trainer.keep_last,
+            async_save=cfg.trainer.async_save,
+            schedule=fedavg_cfg.schedule if fedavg_cfg else None,
+            fragments=fedavg_cfg.streaming.fragments if fedavg_cfg else 1,
+        )
         resume_from = latest(run_dir) if cfg.trainer.resume == "auto" else None
         if resume_from is not None:
             start = checkpointer.load(resume_from, model, optimizer, scheduler)
@@ -215,8 +230,11 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None,
     batches = batches_from(start)
     tokens_per_step = world * cfg.trainer.batch_size * blocks.train.shape[1]
     records = run_dir if not member or member.group == 0 else str(Path(run_dir) / f"group_{member.group}")
-    recorder = (Recorder(records, cfg, steps, cfg.trainer.progress and rank == 0, resume_from=start)
-                if dist.get_rank() == 0 else None)
+    recorder = (
+        Recorder(records, cfg, steps, cfg.trainer.progress and rank == 0, resume_from=start)
+        if dist.get_rank() == 0
+        else None
+    )
     if recorder and heal:
         recorder.log(heal)
     timer = PhaseTimer(device)
@@ -255,20 +273,28 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None,
         comm = meter.take() if meter else {}
 
         # Outside the timed phases: mean loss over ranks; times and bytes as the largest rank's.
-        stats = _all_ranks([loss.item(), *(timer.times[p] for p in PHASES), timer.total(),
-                            *(comm[k] for k in counted)], device)
+        stats = _all_ranks(
+            [loss.item(), *(timer.times[p] for p in PHASES), timer.total(), *(comm[k] for k in counted)], device
+        )
         mean_loss = stats[:, 0].mean().item()
         if not math.isfinite(mean_loss):
             raise FloatingPointError(f"non-finite loss ({mean_loss}) at step {step}: stopping")
         largest = stats[:, 1:].max(dim=0).values.tolist()
-        times, step_time, counts = largest[:len(PHASES)], largest[len(PHASES)], largest[len(PHASES) + 1:]
-        critical = stats[stats[:, 1 + len(PHASES)].argmax(), 1:1 + len(PHASES)].tolist()  # the slowest rank's
+        times, step_time, counts = largest[: len(PHASES)], largest[len(PHASES)], largest[len(PHASES) + 1 :]
+        critical = stats[stats[:, 1 + len(PHASES)].argmax(), 1 : 1 + len(PHASES)].tolist()  # the slowest rank's
         train_time += step_time
-        row = {"step": step, "loss": mean_loss, "perplexity": math.exp(mean_loss), "lr": lr,
-               "tokens": step * tokens_per_step,
-               **{f"time_{p}": t for p, t in zip(PHASES, times)}, "time_step": step_time,
-               **{f"critical_{p}": t for p, t in zip(PHASES, critical)}, "aggregated": aggregated,
-               **{k: (int(v) if k.startswith("collectives") else v) for k, v in zip(counted, counts)}}
+        row = {
+            "step": step,
+            "loss": mean_loss,
+            "perplexity": math.exp(mean_loss),
+            "lr": lr,
+            "tokens": step * tokens_per_step,
+            **{f"time_{p}": t for p, t in zip(PHASES, times)},
+            "time_step": step_time,
+            **{f"critical_{p}": t for p, t in zip(PHASES, critical)},
+            "aggregated": aggregated,
+            **{k: (int(v) if k.startswith("collectives") else v) for k, v in zip(counted, counts)},
+        }
         if aggregated:  # algorithm.streaming: which parts of the model
             row.update(fragment_fields(fedavg.config, due))
         if federation is not None and aggregated:  # the groups alive in it, and whether it was applied
@@ -290,8 +316,9 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None,
             # elastic: each group scores its own model (the groups meet only at aggregations)
             # the groups hold one model only just after every fragment aggregated
             synced = fedavg is not None and due.synced(fedavg.fragments)
-            evaluation = eval_row(model, cfg, blocks, device, step, fedavg,
-                                  fedavg is not None and not synced and not member, partial)
+            evaluation = eval_row(
+                model, cfg, blocks, device, step, fedavg, fedavg is not None and not synced and not member, partial
+            )
             if member and not synced:
                 evaluation["eval_of"] = GROUP_MODEL
             if recorder:
@@ -314,16 +341,32 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None,
     if recorder is None:
         return None
     recorder.log(final)
-    summary = run_summary(cfg, shape, fedavg_cfg, steps, world, tokens_per_step, train_time, row, final,
-                          executed={"executor": "trainer", **summary_fields(cfg)})
+    summary = run_summary(
+        cfg,
+        shape,
+        fedavg_cfg,
+        steps,
+        world,
+        tokens_per_step,
+        train_time,
+        row,
+        final,
+        executed={"executor": "trainer", **summary_fields(cfg)},
+    )
     recorder.finish(summary)
     return summary
 
 
 def elastic_federation(cfg, member, shape):
     """This rank's torchft Manager; its group's rendezvous store (the launcher's) is the Manager's."""
-    return elastic.Federation(member, dist.get_rank(), shape.group_size, os.environ["MASTER_ADDR"],
-                              int(os.environ["MASTER_PORT"]), cfg.cluster.timeout_s)
+    return elastic.Federation(
+        member,
+        dist.get_rank(),
+        shape.group_size,
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        cfg.cluster.timeout_s,
+    )
 
 
 def rejoin(fedavg, federation, position: dict, member) -> dict:
@@ -333,8 +376,10 @@ def rejoin(fedavg, federation, position: dict, member) -> dict:
     began = time.perf_counter()
     committed = fedavg()
     if not federation.healed:
-        raise RuntimeError(f"federation group {member.group} restarted, but no live group was left to heal "
-                           "from: every other group has finished or failed")
+        raise RuntimeError(
+            f"federation group {member.group} restarted, but no live group was left to heal "
+            "from: every other group has finished or failed"
+        )
     return heal_row(fedavg, federation, position, member, committed, time.perf_counter() - began)
 
 
@@ -343,19 +388,40 @@ def heal_row(fedavg, federation, position: dict, member, committed: bool, time_h
     rank copied from (torchft spreads a group's ranks over the live peers)."""
     sources: list = [None] * dist.get_world_size()
     dist.all_gather_object(sources, federation.healed_from)
-    return {"split": "heal", "step": position["step"], "group": member.group, "restart": member.restart,
-            "healed_from": sources, "participants": fedavg.participants, "committed": committed,
-            "time_heal": time_heal, "healed_at": time.time()}  # unix time: when it rejoined
+    return {
+        "split": "heal",
+        "step": position["step"],
+        "group": member.group,
+        "restart": member.restart,
+        "healed_from": sources,
+        "participants": fedavg.participants,
+        "committed": committed,
+        "time_heal": time_heal,
+        "healed_at": time.time(),
+    }  # unix time: when it rejoined
 
 
-def run_summary(cfg, shape, fedavg_cfg, steps: int, world: int, tokens_per_step: int, train_time: float,
-                last_row: dict, final: dict, executed: dict) -> dict:
+def run_summary(
+    cfg,
+    shape,
+    fedavg_cfg,
+    steps: int,
+    world: int,
+    tokens_per_step: int,
+    train_time: float,
+    last_row: dict,
+    final: dict,
+    executed: dict,
+) -> dict:
     """summary.json: what ran (the setting), how (`executed`: the executor, and the network that
     joined the ranks), and its results (the last training step's and the final evaluation's). One
     definition for the distributed trainer and the simulator (fldp.simulate)."""
     return {
-        "algorithm": cfg.algorithm.name, "federation": shape.federation, "replicate": shape.replicate,
-        "shard": shape.shard, "every": fedavg_cfg.every if fedavg_cfg else None,
+        "algorithm": cfg.algorithm.name,
+        "federation": shape.federation,
+        "replicate": shape.replicate,
+        "shard": shape.shard,
+        "every": fedavg_cfg.every if fedavg_cfg else None,
         # the whole schedule as [[start, A], ...] and the steps it aggregated on
         "schedule": [list(p) for p in fedavg_cfg.schedule] if fedavg_cfg else None,
         "aggregation_steps": list(aggregation_steps(fedavg_cfg.schedule, steps)) if fedavg_cfg else None,
@@ -363,13 +429,25 @@ def run_summary(cfg, shape, fedavg_cfg, steps: int, world: int, tokens_per_step:
         "federate": list(fedavg_cfg.federate) if fedavg_cfg else None,
         "fragments": fedavg_cfg.streaming.fragments if fedavg_cfg else None,  # algorithm.streaming
         "fedavg_mode": fedavg_cfg.mode if fedavg_cfg and shape.replicate > 1 else None,
-        "world_size": world, "seed": cfg.seed, "steps": steps, "topology": cfg.topology.name,
-        "model": cfg.model.name, "dataset": cfg.dataset.name, "precision": cfg.trainer.precision,
-        "batch_size": cfg.trainer.batch_size, "tokens": steps * tokens_per_step,
-        "comm_emulated": bool(cfg.comm.emulate), "comm_scale": cfg.comm.scale if cfg.comm.emulate else None,
+        "world_size": world,
+        "seed": cfg.seed,
+        "steps": steps,
+        "topology": cfg.topology.name,
+        "model": cfg.model.name,
+        "dataset": cfg.dataset.name,
+        "precision": cfg.trainer.precision,
+        "batch_size": cfg.trainer.batch_size,
+        "tokens": steps * tokens_per_step,
+        "comm_emulated": bool(cfg.comm.emulate),
+        "comm_scale": cfg.comm.scale if cfg.comm.emulate else None,
         **executed,
-        "train_time_s": train_time, "train_loss": last_row["loss"], "train_perplexity": last_row["perplexity"],
-        "eval_loss": final["loss"], "eval_perplexity": math.exp(final["loss"]), "eval_time_s": final["time_eval"],
-        "eval_of": final["eval_of"], "group_eval_perplexity": final.get("group_perplexity"),
+        "train_time_s": train_time,
+        "train_loss": last_row["loss"],
+        "train_perplexity": last_row["perplexity"],
+        "eval_loss": final["loss"],
+        "eval_perplexity": math.exp(final["loss"]),
+        "eval_time_s": final["time_eval"],
+        "eval_of": final["eval_of"],
+        "group_eval_perplexity": final.get("group_perplexity"),
         **run_fields(),
     }

@@ -1,4 +1,5 @@
 """Shared helpers: compose the real Hydra configs, run real worker processes over gloo."""
+
 from __future__ import annotations
 
 import json
@@ -14,9 +15,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import fldp  # noqa: F401  (registers the fldp_asset resolver)
+from fldp import netns
 from fldp.data import prepare
 from fldp.launch import run_local
-from fldp import netns
 from fldp.mesh import ConfigError, MeshShape
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,8 +52,9 @@ def compose_cfg(*overrides: str):
 
 
 def cluster(timeout_s: float = 120):
-    return OmegaConf.create({"master_addr": "127.0.0.1", "master_port": None,
-                             "timeout_s": timeout_s, "threads_per_worker": 1})
+    return OmegaConf.create(
+        {"master_addr": "127.0.0.1", "master_port": None, "timeout_s": timeout_s, "threads_per_worker": 1}
+    )
 
 
 def run_world(fn, world: int, *args, timeout_s: float = 120) -> None:
@@ -106,8 +108,14 @@ def identical(a: dict, b: dict) -> bool:
 
 def cli(*args: str, cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     """`python -m fldp.train ARGS` as a user runs it."""
-    return subprocess.run([sys.executable, "-m", "fldp.train", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "fldp.train", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def pytest_collection_modifyitems(items):
@@ -128,8 +136,14 @@ def token_cache(tmp_path_factory) -> Path:
     """The default dataset's token cache, made as a user makes it before submitting to SLURM:
     `python -m fldp.data`, with FLDP_CACHE set (here a temporary directory)."""
     cache = tmp_path_factory.mktemp("fldp_cache")
-    out = subprocess.run([sys.executable, "-m", "fldp.data"], cwd=cache, capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "FLDP_CACHE": str(cache)})
+    out = subprocess.run(
+        [sys.executable, "-m", "fldp.data"],
+        cwd=cache,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "FLDP_CACHE": str(cache)},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return cache
 

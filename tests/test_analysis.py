@@ -1,6 +1,7 @@
 """`analysis/` on records of real short runs (4 algorithms x 2 seeds on local_2, each with an offline
 W&B run, as users run them): every table cell against the records, seed aggregation, the figure files
 and lines, the LaTeX, the ratios and findings, broken runs named and skipped, and the W&B sources."""
+
 import json
 import math
 import re
@@ -12,6 +13,8 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import wandb_log
+from conftest import ROOT, compose_cfg, read_rows, train_world
 from omegaconf import OmegaConf
 
 from analysis import claims, paper, render, tables
@@ -20,8 +23,6 @@ from analysis.records import RecordError, load_run_dir
 from analysis.report import build, main
 from analysis.stats import TOO_FEW
 from analysis.wandb_records import read_project
-import wandb_log
-from conftest import ROOT, compose_cfg, read_rows, train_world
 from fldp.records import PHASES
 
 ALGOS = ("fsdp", "hsdp", "fl_fsdp", "fl_hsdp")
@@ -47,8 +48,14 @@ def sweep(tmp_path_factory):
 
 def train_run(run_dir, *overrides):
     """A run as the trainer writes it, W&B offline (the default), its config where Hydra puts it."""
-    cfg = compose_cfg("topology=local_2", f"trainer.steps={STEPS}", "trainer.eval_batches=2", *overrides,
-                      "wandb.mode=offline", f"wandb.group={GROUP}")
+    cfg = compose_cfg(
+        "topology=local_2",
+        f"trainer.steps={STEPS}",
+        "trainer.eval_batches=2",
+        *overrides,
+        "wandb.mode=offline",
+        f"wandb.group={GROUP}",
+    )
     (run_dir / ".hydra").mkdir(parents=True)
     OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
     train_world(cfg, run_dir)
@@ -122,6 +129,7 @@ def test_a_resumed_seed_is_the_same_configuration(sweep, tmp_path):
     """Settings that control a run but not its mathematics (resume, checkpoints, progress, W&B, the
     byte meter, the init device) never split a configuration: FSDP keeps one row and stays in the
     ratios. A setting that does change it (the learning rate) still splits it."""
+
     def copy_with(name, **changes):
         tree = tmp_path / name
         shutil.copytree(sweep, tree)
@@ -133,8 +141,15 @@ def test_a_resumed_seed_is_the_same_configuration(sweep, tmp_path):
         runs, _ = collect([str(tree)])
         return build(runs, [], tmp_path / f"{name}_report", paper.load(), "test")
 
-    resumed = copy_with("resumed", trainer__resume="auto", trainer__checkpoint_every=2, trainer__progress=False,
-                        comm__measure=False, wandb__mode="offline", model__init_device="meta")
+    resumed = copy_with(
+        "resumed",
+        trainer__resume="auto",
+        trainer__checkpoint_every=2,
+        trainer__progress=False,
+        comm__measure=False,
+        wandb__mode="offline",
+        model__init_device="meta",
+    )
     t3 = csv(resumed, "table3.csv")
     assert t3.loc["FSDP", "seeds"] == 2 and not any(label.startswith("FSDP (") for label in t3.index)
     assert "FSDP / FL+FSDP train time" in pd.read_csv(resumed.out / "ratios.csv")["ratio"].tolist()
@@ -144,7 +159,9 @@ def test_a_resumed_seed_is_the_same_configuration(sweep, tmp_path):
 
     other_lr = csv(copy_with("other_lr", optimizer__lr=1e-3), "table3.csv")
     assert sorted(label for label in other_lr.index if label.startswith("FSDP")) == [
-        "FSDP (optimizer.lr=0.0003)", "FSDP (optimizer.lr=0.001)"]
+        "FSDP (optimizer.lr=0.0003)",
+        "FSDP (optimizer.lr=0.001)",
+    ]
 
 
 def test_figure_files_and_one_line_per_algorithm(sweep, report):
@@ -164,8 +181,7 @@ def test_figure_files_and_one_line_per_algorithm(sweep, report):
     # each line: minutes = cumulative step time / 60, perplexity, both averaged over seeds per step
     for algo, line in zip(ALGOS, lines):
         rows = [read_rows(sweep / f"{algo}_seed{s}") for s in SEEDS]
-        minutes = [statistics.mean(sum(r["time_step"] for r in rs[:k + 1]) / 60 for rs in rows)
-                   for k in range(STEPS)]
+        minutes = [statistics.mean(sum(r["time_step"] for r in rs[: k + 1]) / 60 for rs in rows) for k in range(STEPS)]
         ppl = [statistics.mean(rs[k]["perplexity"] for rs in rows) for k in range(STEPS)]
         assert list(line.get_xdata()) == pytest.approx(minutes)
         assert list(line.get_ydata()) == pytest.approx(ppl)
@@ -178,9 +194,17 @@ def _many_configurations(sweep, n: int) -> list:
 
     (run,) = collect([str(sweep / "fl_fsdp_seed0")])[0]
     outer = {"name": "nesterov_momentum_with_a_long_name", "momentum": 0.9}
-    return [dataclasses.replace(run, name=f"{run.name}#{i}", summary={
-        **run.summary, "outer": {**outer, "lr": round(0.05 * (i + 1), 2), "note": "a long note " * (2 + i)}})
-        for i in range(n)]
+    return [
+        dataclasses.replace(
+            run,
+            name=f"{run.name}#{i}",
+            summary={
+                **run.summary,
+                "outer": {**outer, "lr": round(0.05 * (i + 1), 2), "note": "a long note " * (2 + i)},
+            },
+        )
+        for i in range(n)
+    ]
 
 
 def test_figure_legend_below_the_axes_distinct_styles_plain_ticks(sweep, tmp_path):
@@ -215,8 +239,10 @@ def test_figure_legend_below_the_axes_distinct_styles_plain_ticks(sweep, tmp_pat
     assert ticks and all(re.fullmatch(r"\d+(\.\d+)?[kM]?", t) for t in ticks), ticks
 
 
-@pytest.mark.parametrize("value,text", [(4100, "4100"), (4050.5, "4050"), (35, "35"), (0.5, "0.5"),
-                                        (12345, "12.3k"), (41000, "41k"), (1.5e6, "1.5M")])
+@pytest.mark.parametrize(
+    "value,text",
+    [(4100, "4100"), (4050.5, "4050"), (35, "35"), (0.5, "0.5"), (12345, "12.3k"), (41000, "41k"), (1.5e6, "1.5M")],
+)
 def test_tick_labels_are_plain_numbers(value, text):
     from analysis.figure import plain_number
 
@@ -231,8 +257,14 @@ def af_sweep(sweep, tmp_path_factory):
     for seed in SEEDS:
         shutil.copytree(sweep / f"fl_fsdp_seed{seed}", root / f"A{EVERY}_F2_seed{seed}")
         for every, federation in ((1, 1), (1, 2), (EVERY, 1)):
-            train_run(root / f"A{every}_F{federation}_seed{seed}", "algorithm=fl_fsdp", f"seed={seed}",
-                      f"algorithm.every={every}", f"mesh.federation={federation}", f"mesh.shard={2 // federation}")
+            train_run(
+                root / f"A{every}_F{federation}_seed{seed}",
+                "algorithm=fl_fsdp",
+                f"seed={seed}",
+                f"algorithm.every={every}",
+                f"mesh.federation={federation}",
+                f"mesh.shard={2 // federation}",
+            )
     return root
 
 
@@ -249,7 +281,9 @@ def test_a_sweep_over_a_and_f_has_its_table_and_heatmap(af_sweep, report, tmp_pa
             dirs = [af_sweep / f"A{every}_F{federation}_seed{s}" for s in SEEDS]
             step_time = statistics.mean(statistics.mean(r["time_step"] for r in read_rows(d)) for d in dirs)
             ppl = statistics.mean(summary(d)["eval_perplexity"] for d in dirs)
-            assert {summary(d)["every"] for d in dirs} == {every} and {summary(d)["federation"] for d in dirs} == {federation}
+            assert {summary(d)["every"] for d in dirs} == {every} and {summary(d)["federation"] for d in dirs} == {
+                federation
+            }
             cell = cells[(cells["A"] == every) & (cells["F"] == federation)].iloc[0]
             assert cell["seeds"] == len(SEEDS)
             assert cell["step_time_s"] == pytest.approx(step_time, rel=1e-12)
@@ -277,8 +311,9 @@ def test_latex_tables_are_well_formed(report, stem, columns):
 
 
 def test_latex_escapes_text():
-    assert render.latex_escape("FL+HSDP (fedavg_mode=all_replicas, 50%)") == \
-        r"FL+HSDP (fedavg\_mode=all\_replicas, 50\%)"
+    assert (
+        render.latex_escape("FL+HSDP (fedavg_mode=all_replicas, 50%)") == r"FL+HSDP (fedavg\_mode=all\_replicas, 50\%)"
+    )
 
 
 def test_ratios_and_findings_follow_the_numbers(sweep, report):
@@ -290,7 +325,9 @@ def test_ratios_and_findings_follow_the_numbers(sweep, report):
         den = [summary(sweep / f"{r['denominator']}_seed{s}") for s in SEEDS]
         if metric == "train_time_s":  # the records' sum, as the tables
             num = [{metric: sum(x["time_step"] for x in read_rows(sweep / f"{r['numerator']}_seed{s}"))} for s in SEEDS]
-            den = [{metric: sum(x["time_step"] for x in read_rows(sweep / f"{r['denominator']}_seed{s}"))} for s in SEEDS]
+            den = [
+                {metric: sum(x["time_step"] for x in read_rows(sweep / f"{r['denominator']}_seed{s}"))} for s in SEEDS
+            ]
         per_seed = [a[metric] / b[metric] for a, b in zip(num, den)]
         logs = [math.log(x) for x in per_seed]  # paired: geometric mean, t interval on the mean log (df 1)
         half = 12.7062047 * statistics.stdev(logs) / math.sqrt(len(logs))
@@ -305,7 +342,12 @@ def test_ratios_and_findings_follow_the_numbers(sweep, report):
     stat = found[found["family"] != "records check"]
     assert (stat["paper"].astype(float) > 1).all(), "a finding's definition does not match the paper"
     assert list(stat.loc[stat["family"] == "primary", "comparison"]) == [
-        "HSDP / FL+HSDP", "FSDP / FL+HSDP", "FSDP / FL+FSDP", "FL+FSDP / FL+HSDP", "HSDP / FSDP"]
+        "HSDP / FL+HSDP",
+        "FSDP / FL+HSDP",
+        "FSDP / FL+FSDP",
+        "FL+FSDP / FL+HSDP",
+        "HSDP / FSDP",
+    ]
     # 2 seeds: no direction or size verdict, however the two seeds fall
     assert (stat["direction"] == TOO_FEW).all() and (stat["size"] == "n/a").all()
     agg = found.set_index("finding").iloc[-1]
@@ -317,8 +359,20 @@ def test_ratios_and_findings_follow_the_numbers(sweep, report):
 
 def _values(ppl: dict, seeds) -> pd.DataFrame:
     """claims' long frame: every metric equal across algorithms but the eval perplexity."""
-    return pd.DataFrame([{"algorithm": a, "seed": s, "eval_perplexity": v[i], "train_time_s": 1.0,
-                          "step_time_s": 1.0, "eval_time_s": 1.0} for a, v in ppl.items() for i, s in enumerate(seeds)])
+    return pd.DataFrame(
+        [
+            {
+                "algorithm": a,
+                "seed": s,
+                "eval_perplexity": v[i],
+                "train_time_s": 1.0,
+                "step_time_s": 1.0,
+                "eval_time_s": 1.0,
+            }
+            for a, v in ppl.items()
+            for i, s in enumerate(seeds)
+        ]
+    )
 
 
 def test_findings_are_paired_intervals_not_means_or_unanimous_seeds():
@@ -336,8 +390,9 @@ def test_findings_are_paired_intervals_not_means_or_unanimous_seeds():
     primary = three[three["family"] == "primary"].set_index("finding")
     assert (primary["level"] > 0.95).all()
     assert primary.loc["FL+HSDP reaches a lower eval perplexity than HSDP", "direction"] == "reproduced"
-    assert primary.loc["FL+HSDP reaches a lower eval perplexity than HSDP", "size"] == \
-        "effect size refuted at this scale"
+    assert (
+        primary.loc["FL+HSDP reaches a lower eval perplexity than HSDP", "size"] == "effect size refuted at this scale"
+    )
     assert (three.loc[three["family"] == "exploratory", "level"] == 0.95).all()
 
 
@@ -375,8 +430,7 @@ def test_broken_runs_are_named_and_skipped(sweep, tmp_path, capsys):
     (empty / "metrics.jsonl").write_text("")
     crashed = tree / "crashed_midway"  # records up to step 2, then the run died: no summary
     crashed.mkdir()
-    (crashed / "metrics.jsonl").write_text("".join(
-        json.dumps(r) + "\n" for r in read_rows(sweep / "fsdp_seed1")[:2]))
+    (crashed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in read_rows(sweep / "fsdp_seed1")[:2]))
     never = tree / "never_started"  # Hydra made the job folder; the run failed before step 1
     (never / ".hydra").mkdir(parents=True)
     shutil.copy(sweep / "fsdp_seed1" / ".hydra" / "config.yaml", never / ".hydra")
@@ -386,11 +440,20 @@ def test_broken_runs_are_named_and_skipped(sweep, tmp_path, capsys):
         f.write('{"step": 5, "loss": 8.3')
 
     out = tmp_path / "report"
-    proc = subprocess.run([sys.executable, "-m", "analysis.report", str(tree), "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "analysis.report", str(tree), "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
-    expected = {empty: "metrics.jsonl is empty", crashed: "no summary.json: the run did not finish",
-                never: "no metrics.jsonl", torn: "metrics.jsonl line 6 is not valid JSON"}
+    expected = {
+        empty: "metrics.jsonl is empty",
+        crashed: "no summary.json: the run did not finish",
+        never: "no metrics.jsonl",
+        torn: "metrics.jsonl line 6 is not valid JSON",
+    }
     for run, why in expected.items():
         assert f"skipped {run}: {why}" in proc.stderr, proc.stderr
         assert f"- {run}: {why}" in (out / "report.md").read_text()
@@ -441,8 +504,14 @@ class Remote:
     Recorder.finish passes), in W&B's own HTTPSummary: nested values are not dicts, `_wandb` is hidden
     from keys(). `changes` make decoys: another group, or another commit."""
 
-    def __init__(self, run_dir: Path, state: str | None = None, group: str | None = None, commit: str | None = None,
-                 id_suffix: str = ""):
+    def __init__(
+        self,
+        run_dir: Path,
+        state: str | None = None,
+        group: str | None = None,
+        commit: str | None = None,
+        id_suffix: str = "",
+    ):
         from types import SimpleNamespace
 
         from wandb.apis.public.summary import HTTPSummary
@@ -484,8 +553,13 @@ def _field(remote: Remote, key: str):
         for part in key.split(".")[1:]:
             value = value.get(part) if isinstance(value, dict) else None
         return value
-    return {"group": remote.group, "jobType": remote.job_type, "tags": remote.tags, "state": remote.state,
-            "display_name": remote.name}[key]  # an unknown field fails the test
+    return {
+        "group": remote.group,
+        "jobType": remote.job_type,
+        "tags": remote.tags,
+        "state": remote.state,
+        "display_name": remote.name,
+    }[key]  # an unknown field fails the test
 
 
 def _matches(remote: Remote, query: dict) -> bool:
@@ -502,8 +576,11 @@ def _matches(remote: Remote, query: dict) -> bool:
         if not isinstance(condition, dict):
             condition = {"$eq": condition}
         for op, arg in condition.items():
-            ok = {"$eq": lambda: arg in values, "$in": lambda: any(v in arg for v in values),
-                  "$regex": lambda: any(isinstance(v, str) and re.search(arg, v) for v in values)}[op]()
+            ok = {
+                "$eq": lambda: arg in values,
+                "$in": lambda: any(v in arg for v in values),
+                "$regex": lambda: any(isinstance(v, str) and re.search(arg, v) for v in values),
+            }[op]()
             if not ok:
                 return False
     return True
@@ -532,15 +609,20 @@ def test_online_project_through_the_public_api(sweep, wandb_project):
     wandb_project["runs"] += [Remote(sweep / f"fl_fsdp_seed{s}") for s in SEEDS]
     wandb_project["runs"].append(Remote(sweep / "fsdp_seed0", state="crashed"))
     runs, problems = read_project("team/fldp")
-    assert [r.name for r in runs] == [f"wandb:team/fldp/{summary(sweep / f'fl_fsdp_seed{s}')['wandb']['id']} "
-                                      f"({summary(sweep / f'fl_fsdp_seed{s}')['wandb']['name']})" for s in SEEDS]
+    assert [r.name for r in runs] == [
+        f"wandb:team/fldp/{summary(sweep / f'fl_fsdp_seed{s}')['wandb']['id']} "
+        f"({summary(sweep / f'fl_fsdp_seed{s}')['wandb']['name']})"
+        for s in SEEDS
+    ]
     assert list(runs[0].steps["time_step"]) == [r["time_step"] for r in read_rows(sweep / "fl_fsdp_seed0")]
     assert {"_timestamp", "_runtime", "_step", "train/perplexity", "eval/perplexity"} <= set(runs[0].summary)
     assert runs[0].summary["outer"] == summary(sweep / "fl_fsdp_seed0")["outer"]  # a dict, as summary.json's
     assert tables.labels(runs) == ["FL+FSDP", "FL+FSDP"]
     crashed = summary(sweep / "fsdp_seed0")["wandb"]
-    assert problems == [f"wandb:team/fldp/{crashed['id']} ({crashed['name']}): no final W&B summary: the run "
-                        f"did not finish (crashed or still running) after step {STEPS}"]
+    assert problems == [
+        f"wandb:team/fldp/{crashed['id']} ({crashed['name']}): no final W&B summary: the run "
+        f"did not finish (crashed or still running) after step {STEPS}"
+    ]
 
 
 def test_a_wandb_project_alone_regenerates_the_tables_and_figure(sweep, report, wandb_project, tmp_path):
@@ -552,12 +634,13 @@ def test_a_wandb_project_alone_regenerates_the_tables_and_figure(sweep, report, 
     commit = summary(dirs[0])["commit"]
     other_commit = "0" * 40
     wandb_project["runs"] += [Remote(d) for d in dirs]
-    wandb_project["runs"] += [Remote(sweep / "fsdp_seed0", group="another_sweep", id_suffix="x"),
-                              Remote(sweep / "hsdp_seed0", id_suffix="y", commit=other_commit)]
+    wandb_project["runs"] += [
+        Remote(sweep / "fsdp_seed0", group="another_sweep", id_suffix="x"),
+        Remote(sweep / "hsdp_seed0", id_suffix="y", commit=other_commit),
+    ]
     out = tmp_path / "from_wandb"
     assert report_main(["wandb:team/fldp", "--group", GROUP, "--commit", commit[:7], "--out", str(out)]) == 0
-    assert wandb_project["queries"][-1] == {"$and": [{"group": GROUP},
-                                                     {"config.commit": {"$regex": f"^{commit[:7]}"}}]}
+    assert wandb_project["queries"][-1] == {"$and": [{"group": GROUP}, {"config.commit": {"$regex": f"^{commit[:7]}"}}]}
     for name in ("table3.csv", "table4.csv"):
         pd.testing.assert_frame_equal(pd.read_csv(out / name), pd.read_csv(report.out / name))
     assert (out / "figure2.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -565,8 +648,24 @@ def test_a_wandb_project_alone_regenerates_the_tables_and_figure(sweep, report, 
 
     # by tag and job type: the FL+FSDP runs, both seeds
     only = tmp_path / "fl_fsdp"
-    assert report_main(["wandb:team/fldp", "--group", GROUP, "--tag", "topology=local_2", "--tag", f"A={EVERY}",
-                        "--job-type", "fl_fsdp", "--out", str(only)]) == 0
+    assert (
+        report_main(
+            [
+                "wandb:team/fldp",
+                "--group",
+                GROUP,
+                "--tag",
+                "topology=local_2",
+                "--tag",
+                f"A={EVERY}",
+                "--job-type",
+                "fl_fsdp",
+                "--out",
+                str(only),
+            ]
+        )
+        == 0
+    )
     t3 = pd.read_csv(only / "table3.csv")
     assert list(t3["label"]) == ["FL+FSDP"] and list(t3["seeds"]) == [len(SEEDS)]
     # without the commit filter the other commit's run is read, and refused with the rest
@@ -576,8 +675,12 @@ def test_a_wandb_project_alone_regenerates_the_tables_and_figure(sweep, report, 
 
 
 def test_wandb_filters_without_a_wandb_project_are_refused(sweep, tmp_path):
-    proc = subprocess.run([_installed("fldp-report"), str(sweep), "--group", GROUP, "--out", str(tmp_path / "r")],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [_installed("fldp-report"), str(sweep), "--group", GROUP, "--out", str(tmp_path / "r")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "wandb:ENTITY/PROJECT" in proc.stderr, proc.stderr
     assert not (tmp_path / "r").exists()
 
@@ -593,8 +696,9 @@ def test_report_names_the_command_that_made_it(sweep, tmp_path):
     """report.md says `fldp-report ...` when fldp-report made it (from a wheel `python -m
     analysis.report` would fail), and `python -m analysis.report ...` when that did."""
     out = tmp_path / "installed"
-    proc = subprocess.run([_installed("fldp-report"), str(sweep), "--out", str(out)], capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [_installed("fldp-report"), str(sweep), "--out", str(out)], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     assert f"by `fldp-report {sweep} --out {out}`." in (out / "report.md").read_text()
     assert "constrained_layout not applied" not in proc.stderr, proc.stderr
@@ -632,8 +736,13 @@ def test_periodic_aggregation_reads_a_schedule():
     from analysis.records import Run
 
     def run(aggregated):
-        steps = pd.DataFrame({"step": range(1, 7), "aggregated": [s in aggregated for s in range(1, 7)],
-                              "time_aggregation": [0.5 if s in aggregated else 0.0 for s in range(1, 7)]})
+        steps = pd.DataFrame(
+            {
+                "step": range(1, 7),
+                "aggregated": [s in aggregated for s in range(1, 7)],
+                "time_aggregation": [0.5 if s in aggregated else 0.0 for s in range(1, 7)],
+            }
+        )
         return Run("scheduled", {"every": [[0, 2], [3, 3]]}, steps)
 
     assert periodic_aggregation([run({2, 5, 6})])[0] == "holds in every run"

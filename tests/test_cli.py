@@ -1,5 +1,6 @@
 """`python -m fldp.train` as a user runs it: every algorithm on every local topology, the default
 command, and bad configs that must fail fast, naming the key, before any worker starts."""
+
 import importlib.metadata
 import json
 import subprocess
@@ -7,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import cli, compose_cfg, read_rows
+
 from fldp.records import CRITICAL_FIELDS, PHASES, STEP_FIELDS, TIME_FIELDS
 
 FAST = ["wandb.mode=disabled", "trainer.eval_batches=1"]
@@ -21,8 +22,12 @@ LAYOUTS = {
 }
 # one run per algorithm (tests/test_golden.py pins what each computes); a few also cover the other
 # precision and the meta-device init path
-RUNS = {"fsdp": ("local_4", ["model.init_device=meta"]), "hsdp": ("local_4", ["trainer.precision=bf16"]),
-        "fl_fsdp": ("local_2", ["trainer.precision=bf16"]), "fl_hsdp": ("local_8", ["model.init_device=meta"])}
+RUNS = {
+    "fsdp": ("local_4", ["model.init_device=meta"]),
+    "hsdp": ("local_4", ["trainer.precision=bf16"]),
+    "fl_fsdp": ("local_2", ["trainer.precision=bf16"]),
+    "fl_hsdp": ("local_8", ["model.init_device=meta"]),
+}
 
 
 @pytest.mark.parametrize("topology,algorithm", [(t, a) for t in LAYOUTS for a in LAYOUTS[t]])
@@ -34,8 +39,15 @@ def test_every_algorithm_has_its_documented_layout_on_every_local_topology(topol
 @pytest.mark.parametrize("algorithm", RUNS)
 def test_every_algorithm_runs_from_the_command_line(tmp_path, algorithm):
     topology, extra = RUNS[algorithm]
-    out = cli(f"algorithm={algorithm}", f"topology={topology}", "trainer.steps=2", *FAST, *extra,
-              f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    out = cli(
+        f"algorithm={algorithm}",
+        f"topology={topology}",
+        "trainer.steps=2",
+        *FAST,
+        *extra,
+        f"hydra.run.dir={tmp_path}",
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert (summary["federation"], summary["replicate"], summary["shard"]) == LAYOUTS[topology][algorithm]
@@ -47,13 +59,23 @@ def test_every_algorithm_runs_from_the_command_line(tmp_path, algorithm):
     assert len(read_rows(tmp_path, "eval")) == 1
     assert "| fwd " in out.stderr and " bwd " in out.stderr, out.stderr[-1000:]  # the progress bar's phases
     # the command that started it, as rank 0 of the forked workers recorded it
-    assert summary["provenance"]["command"] == f"python -m fldp.train algorithm={algorithm} topology={topology} " \
-        + " ".join(["trainer.steps=2", *FAST, *extra, f"hydra.run.dir={tmp_path}"])
+    assert summary["provenance"][
+        "command"
+    ] == f"python -m fldp.train algorithm={algorithm} topology={topology} " + " ".join(
+        ["trainer.steps=2", *FAST, *extra, f"hydra.run.dir={tmp_path}"]
+    )
 
 
 def test_done_when_aggregation_only_every_a_steps(tmp_path):
-    out = cli("algorithm=fl_hsdp", "topology=local_8", "trainer.steps=16", "algorithm.every=4", *FAST,
-              f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    out = cli(
+        "algorithm=fl_hsdp",
+        "topology=local_8",
+        "trainer.steps=16",
+        "algorithm.every=4",
+        *FAST,
+        f"hydra.run.dir={tmp_path}",
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_rows(tmp_path)
     assert [r["step"] for r in rows if r["time_aggregation"] > 0] == [4, 8, 12, 16]
@@ -118,13 +140,18 @@ REFUSED_BEFORE_TORCH = [
 def test_a_config_the_schema_or_mesh_refuses_is_refused_before_torch_is_imported(tmp_path, overrides, key):
     """Importing torch took most of a refusal's 25-50 s on a loaded machine: `-X importtime` lists
     every module the process imported, and torch must not be one of them."""
-    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "fldp.train", *overrides], cwd=tmp_path,
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "fldp.train", *overrides],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 2 and f"fldp: config error: {key}" in out.stderr, out.stderr[-2000:]
     imported = {line.rsplit("|", 1)[1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
     assert "omegaconf" in imported, "-X importtime listed nothing"
-    assert not {m for m in imported if m.split(".")[0] in ("torch", "transformers", "datasets")}, \
-        sorted(m for m in imported if m.startswith("torch"))[:10]
+    assert not {m for m in imported if m.split(".")[0] in ("torch", "transformers", "datasets")}, sorted(
+        m for m in imported if m.startswith("torch")
+    )[:10]
 
 
 REFUSED = [  # Hydra's own errors (composition, override grammar) and the schema's, single runs and sweeps
@@ -151,8 +178,11 @@ def test_a_refused_run_leaves_an_existing_run_directory_as_it_was(tmp_path):
     """A run into a directory holding another run's records, refused, changes none of its files."""
     run_dir = tmp_path / "run"
     (run_dir / ".hydra").mkdir(parents=True)
-    files = {run_dir / "metrics.jsonl": '{"step": 1}\n', run_dir / "train.log": "the old run's log\n",
-             run_dir / ".hydra" / "config.yaml": "the old run's config\n"}
+    files = {
+        run_dir / "metrics.jsonl": '{"step": 1}\n',
+        run_dir / "train.log": "the old run's log\n",
+        run_dir / ".hydra" / "config.yaml": "the old run's config\n",
+    }
     for path, text in files.items():
         path.write_text(text)
     for args in (["trainer.step=4"], ["trainer.steps=2"]):  # an unknown key; a run that is not a resume
@@ -176,9 +206,11 @@ def test_a_fresh_run_beside_another_runs_checkpoints_is_refused(tmp_path):
 
 def test_help_imports_no_torch(tmp_path):
     """`--help` prints the groups without importing torch (seconds to import: --help took 5-9 s)."""
-    code = ("import runpy, sys\nsys.argv = ['fldp-train', '--help']\ntry:\n"
-            "    runpy.run_module('fldp.train', run_name='__main__')\nexcept SystemExit:\n    pass\n"
-            "print('torch imported:', 'torch' in sys.modules)")
+    code = (
+        "import runpy, sys\nsys.argv = ['fldp-train', '--help']\ntry:\n"
+        "    runpy.run_module('fldp.train', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+        "print('torch imported:', 'torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert "== Config groups" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
     assert out.stdout.strip().endswith("torch imported: False"), out.stdout[-500:]
@@ -187,12 +219,18 @@ def test_help_imports_no_torch(tmp_path):
 def test_version_prints_fldps_version_and_commit(tmp_path):
     """The installed command, as a user types it: fldp's version (the package's metadata) and the
     commit of this checkout (git's answer, '-dirty' with changes to tracked files), not Hydra's."""
-    out = subprocess.run([str(Path(sys.executable).parent / "fldp-train"), "--version"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [str(Path(sys.executable).parent / "fldp-train"), "--version"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     root = Path(__file__).resolve().parents[1]
     head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+    ).stdout.strip()
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout == f"fldp {importlib.metadata.version('fldp')}, commit {head}{'-dirty' if dirty else ''}\n"
     assert "Hydra" not in out.stdout + out.stderr and list(tmp_path.iterdir()) == []

@@ -1,11 +1,12 @@
 """The cost model against hand-computed values, and against the bytes that really cross each
 process group in tiny runs of all four algorithms."""
+
 import json
 
 import pytest
 import torch
-
 from conftest import cli, compose_cfg, read_rows, run_world
+
 from fldp.comm import CommMeter
 from fldp.cost import Units, model_units, predict, predict_for, tier_bandwidth
 from fldp.mesh import MeshShape, build_mesh, mesh_shape
@@ -19,13 +20,13 @@ def test_paper_equations_on_a_hand_computed_example():
     bw = {"shard": 1000.0, "replicate": 1000.0, "federation": 500.0}
     # the one unit is the root; resharded after forward it is gathered twice, like the paper's layers
     p = predict(units, MeshShape(4, 2, 2), bw, every=2, reshard_root_after_forward=True)
-    assert p.paper["shard"] == pytest.approx(2000 * 3 * 1 / (2 * 1000))         # Eq. 1: 3 s
-    assert p.paper["replicate"] == pytest.approx(2000 * 2 * 1 / (2 * 1000))     # Eq. 2: 2 s
+    assert p.paper["shard"] == pytest.approx(2000 * 3 * 1 / (2 * 1000))  # Eq. 1: 3 s
+    assert p.paper["replicate"] == pytest.approx(2000 * 2 * 1 / (2 * 1000))  # Eq. 2: 2 s
     assert p.paper["federation"] == pytest.approx(2000 / 2 * 2 * 3 / (4 * 500))  # Eq. 3: 3 s
-    assert p.paper["broadcast"] == pytest.approx(2000 / 2 / 1000)               # Eq. 5: 1 s
+    assert p.paper["broadcast"] == pytest.approx(2000 / 2 / 1000)  # Eq. 5: 1 s
     # byte-exact: the all-gather of a layer in S shards of M sends (S-1) M per rank, not (S-1) M / S
     assert p.step_bytes["shard"] == 3 * (2 - 1) * 2000
-    assert p.exact["shard"] == pytest.approx(2 * p.paper["shard"])              # S times the paper's
+    assert p.exact["shard"] == pytest.approx(2 * p.paper["shard"])  # S times the paper's
     # FSDP1's root policy (the default): kept gathered from forward to backward, one all-gather fewer
     kept = predict(units, MeshShape(4, 2, 2), bw, every=2)
     assert kept.step_bytes["shard"] == 2 * (2 - 1) * 2000 and kept.step_collectives["shard"] == 2
@@ -39,16 +40,18 @@ def test_schedule_federate_and_reduce_dtype_on_a_hand_computed_example():
     bw = {"shard": 1000.0, "replicate": 1000.0, "federation": 500.0}
     # [[0,2],[3,3]] over 6 steps aggregates at 2, 5 and 6 (the last): 3 aggregations in 6 steps;
     # only `a` is federated (its shard: 2 x 250 x 2 = 1,000 bytes), summed in fp32 (x2: 2,000 bytes)
-    p = predict(units, MeshShape(2, 1, 2), bw, every=[[0, 2], [3, 3]], steps=6, federated=[True, False],
-                reduce_element_size=4)
+    p = predict(
+        units, MeshShape(2, 1, 2), bw, every=[[0, 2], [3, 3]], steps=6, federated=[True, False], reduce_element_size=4
+    )
     assert p.aggregations_per_step == 3 / 6
     assert p.aggregation_bytes["federation"] == 2 * (2 - 1) / 2 * 2000
     assert p.bytes_per_step["federation"] == 2000 * 3 / 6
     assert p.paper["federation"] == pytest.approx(2 * 2000 * (2 - 1) / (2 * 500) * 3 / 6)  # Eq. 3, M L = 2,000
     # with replicas: the leader broadcasts the new weights in the parameters' dtype (1,000 bytes of
     # `a`'s shard, not the fp32 sum's 2,000): half of them cross to the one other replica
-    h = predict(units, MeshShape(2, 2, 2), bw, every=[[0, 2], [3, 3]], steps=6, federated=[True, False],
-                reduce_element_size=4)
+    h = predict(
+        units, MeshShape(2, 2, 2), bw, every=[[0, 2], [3, 3]], steps=6, federated=[True, False], reduce_element_size=4
+    )
     assert h.aggregation_bytes["replicate"] == (2 - 1) / 2 * 1000 and h.aggregation_bytes["federation"] == 2000
     assert h.paper["broadcast"] == pytest.approx(1000 / 1000 * 3 / 6)  # Eq. 5 on M L = 1,000 bytes
     # no steps: the long-run rate, one aggregation per last A; all federated, in the parameters' dtype
@@ -69,8 +72,9 @@ def test_fragments_and_overlap_on_a_hand_computed_example():
     assert p.peak_aggregation_bytes == 520 and p.aggregation_bytes["federation"] == 720
     # the layers alone federated: the trainer deals the fragments over the units it federates (layer 0
     # in fragment 0, layer 1 in fragment 1); the root, left local, is in none
-    layers = predict(units, MeshShape(2, 1, 1), bw, every=4, steps=8, streaming=streaming,
-                     federated=[False, True, True])
+    layers = predict(
+        units, MeshShape(2, 1, 1), bw, every=4, steps=8, streaming=streaming, federated=[False, True, True]
+    )
     assert [f["federation"] for f in layers.fragment_bytes] == [50 * 4, 30 * 4]
     assert p.fragment_seconds == [520 / 500, 200 / 500]
     # fragment 0 sent at 1, 5 and the last step, 8; fragment 1 at 3 and 7 (in flight at 8, merged
@@ -79,8 +83,9 @@ def test_fragments_and_overlap_on_a_hand_computed_example():
     # in flight during one step of 0.8 s: 1.04 - 0.8 = 0.24 s of fragment 0 left on the critical
     # path per period, none of fragment 1's 0.4 s; without overlap all 1.44 s
     assert p.exposed_aggregation(0.8) == pytest.approx(0.24) and p.exposed_aggregation(2.0) == 0.0
-    assert predict(units, MeshShape(2, 1, 1), bw, every=4, steps=8,
-                   streaming=StreamingConfig(fragments=2)).exposed_aggregation(0.8) == pytest.approx(1.44)
+    assert predict(
+        units, MeshShape(2, 1, 1), bw, every=4, steps=8, streaming=StreamingConfig(fragments=2)
+    ).exposed_aggregation(0.8) == pytest.approx(1.44)
     # with 2 replicas (leader_broadcast) the merge's broadcast stays on the critical path: gloo's flat
     # broadcast sends each fragment's weights (R-1) times at the replicate tier's 1000 B/s
     h = predict(units, MeshShape(2, 2, 1), bw, every=4, steps=8, streaming=streaming)
@@ -90,13 +95,13 @@ def test_fragments_and_overlap_on_a_hand_computed_example():
 
 def test_fsdp2_padding_is_accounted():
     units = Units(params=(((5, 3), 0), ((7,), 1)), element_size=2)
-    assert units.padded_shard_bytes(4) == [2 * 3 * 2, 2 * 2]         # ceil(5/4)=2 rows, ceil(7/4)=2
-    assert units.local_shards(4, 3) == [0, 1 * 2]                    # rank 3: 5-3*2<0 rows; 7-6=1
+    assert units.padded_shard_bytes(4) == [2 * 3 * 2, 2 * 2]  # ceil(5/4)=2 rows, ceil(7/4)=2
+    assert units.local_shards(4, 3) == [0, 1 * 2]  # rank 3: 5-3*2<0 rows; 7-6=1
 
 
 def test_tiers_follow_the_rank_blocks():
     network = [{"ranks": 4, "gbit_s": 800}, {"ranks": 512, "gbit_s": 200}]
-    b = tier_bandwidth(network, MeshShape(16, 8, 4))                 # FL+HSDP on Leonardo
+    b = tier_bandwidth(network, MeshShape(16, 8, 4))  # FL+HSDP on Leonardo
     assert b == {"shard": 100e9, "replicate": 25e9, "federation": 25e9}
     assert tier_bandwidth(network, MeshShape(1, 1, 512))["shard"] == 25e9
 
@@ -107,8 +112,8 @@ CASES = [  # (overrides, ...) tiny runs of 3 steps, A=2 unless given: aggregatio
     ["algorithm=fl_fsdp"],
     ["algorithm=fl_hsdp"],
     ["algorithm=fl_hsdp", "algorithm.fedavg.mode=all_replicas", "algorithm.fedavg.bucket_mb=0.1"],
-    ["algorithm=hsdp", "topology=local_2"],                          # S=1: nothing to shard
-    ["algorithm=fsdp", "fsdp.reshard_root_after_forward=true"],      # not the authors' root policy
+    ["algorithm=hsdp", "topology=local_2"],  # S=1: nothing to shard
+    ["algorithm=fsdp", "fsdp.reshard_root_after_forward=true"],  # not the authors' root policy
     # a schedule: 2, then 3 counted from the aggregation at 2 (5), and the last step (6)
     ["algorithm=fl_fsdp", "topology=local_4", "trainer.steps=6", "algorithm.every=[[0,2],[3,3]]"],
     # only the decoder layers averaged (and broadcast: 2x2x1)
@@ -118,13 +123,27 @@ CASES = [  # (overrides, ...) tiny runs of 3 steps, A=2 unless given: aggregatio
     ["algorithm=fl_fsdp", "topology=local_4", "algorithm.outer.reduce_dtype=bf16"],
     # streaming: 2 fragments, each all-reduced the step before its merge (sent at 1, 3, 5; merged
     # at 2, 4, 6), its new weights broadcast to the replicas at the merge; the last step both
-    ["algorithm=fl_hsdp", "topology=local_8", "trainer.steps=6", "algorithm.every=4", "algorithm.streaming.fragments=2",
-     "algorithm.streaming.overlap=1", "algorithm.fedavg.bucket_mb=0.1"],
+    [
+        "algorithm=fl_hsdp",
+        "topology=local_8",
+        "trainer.steps=6",
+        "algorithm.every=4",
+        "algorithm.streaming.fragments=2",
+        "algorithm.streaming.overlap=1",
+        "algorithm.fedavg.bucket_mb=0.1",
+    ],
     # quantised (fldp/quantize.py): each bucket's change padded to F chunks of whole blocks, its payload
     # and scales in an all-to-all and an all-gather; then broadcast to the replicas in fp32 (2x2x2)
     ["algorithm=fl_hsdp", "topology=local_8", "algorithm.outer.quantize=int8", "algorithm.fedavg.bucket_mb=0.1"],
-    ["algorithm=fl_fsdp", "topology=local_8", "mesh.federation=4", "mesh.shard=2", "algorithm.outer.quantize=int4",
-     "algorithm.outer.error_feedback=true", "algorithm.outer.quantize_block=64"],
+    [
+        "algorithm=fl_fsdp",
+        "topology=local_8",
+        "mesh.federation=4",
+        "mesh.shard=2",
+        "algorithm.outer.quantize=int4",
+        "algorithm.outer.error_feedback=true",
+        "algorithm.outer.quantize_block=64",
+    ],
 ]
 # algorithm.every -> the steps that aggregate, by hand (4: streaming's sends and merges)
 AGGREGATED = {"[[0,2],[3,3]]": [2, 5, 6], "2": [2, 3], "4": [1, 2, 3, 4, 5, 6]}
@@ -172,18 +191,25 @@ def _meter_rank(device):
     shard, other = mesh["shard"].get_group(), dist.new_group([0, 1])
     originals = [getattr(m, n) for m in (dist, c10d) for n in ("all_reduce", "all_gather_single", "broadcast")]
     meter = CommMeter(mesh)
-    x = torch.ones(4)                                                   # 16 bytes, 2 ranks
+    x = torch.ones(4)  # 16 bytes, 2 ranks
     with meter:
-        dist.all_reduce(x, group=shard)                                 # 2 (n-1)/n 16 = 16
-        dist.all_gather_into_tensor(torch.empty(8), x, group=shard)     # calls all_gather_single: once, 16
+        dist.all_reduce(x, group=shard)  # 2 (n-1)/n 16 = 16
+        dist.all_gather_into_tensor(torch.empty(8), x, group=shard)  # calls all_gather_single: once, 16
         dist.reduce_scatter_single(output=torch.empty(2), input=x, group=shard)  # FSDP2's keywords: 8
-        dist.all_reduce(x, group=shard, async_op=True).wait()           # 16
-        dist.broadcast(x, group=other, group_src=0)                     # not a mesh dimension: 8
-    dist.all_reduce(x)                                                  # outside the meter (the trainer's stats)
+        dist.all_reduce(x, group=shard, async_op=True).wait()  # 16
+        dist.broadcast(x, group=other, group_src=0)  # not a mesh dimension: 8
+    dist.all_reduce(x)  # outside the meter (the trainer's stats)
     assert [getattr(m, n) for m in (dist, c10d) for n in ("all_reduce", "all_gather_single", "broadcast")] == originals
-    assert meter.take() == {"bytes_federation": 0, "bytes_replicate": 0, "bytes_shard": 56,
-                            "collectives_federation": 0, "collectives_replicate": 0, "collectives_shard": 4,
-                            "bytes_other": 8, "collectives_other": 1}
+    assert meter.take() == {
+        "bytes_federation": 0,
+        "bytes_replicate": 0,
+        "bytes_shard": 56,
+        "collectives_federation": 0,
+        "collectives_replicate": 0,
+        "collectives_shard": 4,
+        "bytes_other": 8,
+        "collectives_other": 1,
+    }
     assert meter.take()["collectives_shard"] == 0
 
 
@@ -213,8 +239,19 @@ def test_cost_cli_prints_table_and_json(tmp_path):
     import subprocess
     import sys
 
-    run = lambda *a: subprocess.run([sys.executable, "-m", "fldp.cost", "topology=leonardo_512",  # noqa: E731
-                                     "model=llama3_1_8b", *a], capture_output=True, text=True, cwd=tmp_path)
+    run = lambda *a: subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fldp.cost",
+            "topology=leonardo_512",  # noqa: E731
+            "model=llama3_1_8b",
+            *a,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     text = run()
     assert text.returncode == 0, text.stderr[-2000:]
     assert "the paper measured (its Table 4" in text.stdout and "fl_hsdp" in text.stdout
@@ -230,11 +267,21 @@ def test_cost_cli_prints_table_and_json(tmp_path):
     # the schedule, partial federation and reduce dtype of the configured algorithm: 1..16, 24, ..., 64 is
     # 22 aggregations in 64 steps (8 with A=8), the decoder layers only (S=4 splits every parameter
     # evenly), in fp32 (twice bf16's bytes)
-    other = {r["algorithm"]: r for r in json.loads(run("--json", "algorithm=fl_fsdp", "algorithm.every=[[0,1],[16,8]]",
-                                                       "algorithm.federate=[model\\.layers\\..*]",
-                                                       "algorithm.outer.reduce_dtype=fp32").stdout)}
+    other = {
+        r["algorithm"]: r
+        for r in json.loads(
+            run(
+                "--json",
+                "algorithm=fl_fsdp",
+                "algorithm.every=[[0,1],[16,8]]",
+                "algorithm.federate=[model\\.layers\\..*]",
+                "algorithm.outer.reduce_dtype=fp32",
+            ).stdout
+        )
+    }
     layers = (total - root) / total
-    assert (other["fl_fsdp"]["bytes_federation_per_step"] / rows["fl_fsdp"]["bytes_federation_per_step"]
-            == pytest.approx(22 / 8 * layers * 2, rel=1e-12))
+    assert other["fl_fsdp"]["bytes_federation_per_step"] / rows["fl_fsdp"][
+        "bytes_federation_per_step"
+    ] == pytest.approx(22 / 8 * layers * 2, rel=1e-12)
     assert other["fl_fsdp"]["aggregations_per_step"] == 22 / 64
     assert not list(tmp_path.iterdir())  # a calculation writes no run directory

@@ -1,5 +1,6 @@
 """fldp-cost as a user runs it (issue 30, item 16): the installed command's table fits a 100-column
 terminal with units in its headers, and --csv and --json hold the numbers the table shows."""
+
 import csv
 import io
 import json
@@ -24,8 +25,9 @@ def fldp_cost(tmp_path, *args, columns: int = 100) -> subprocess.CompletedProces
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cost")
-    done = {fmt: fldp_cost(tmp, *PAPER, *flag) for fmt, flag in (("table", ()), ("csv", ("--csv",)),
-                                                                    ("json", ("--json",)))}
+    done = {
+        fmt: fldp_cost(tmp, *PAPER, *flag) for fmt, flag in (("table", ()), ("csv", ("--csv",)), ("json", ("--json",)))
+    }
     for fmt, proc in done.items():
         assert proc.returncode == 0, f"{fmt}: {proc.stderr[-2000:]}"
     return done
@@ -35,17 +37,31 @@ def _expected_cells(row: dict) -> list[list]:
     """What each of the four tables shows for an algorithm, from its unrounded row: mesh and B
     [Gbit/s], aggregations per step, the paper's step; seconds 'paper', seconds 'exact' and their
     ratio; bytes in GB."""
+
     def f(key):
         return float(row[key]) if row[key] not in ("", None) else None
 
     def phases(v):
-        return [f(f"{v}_shard_s"), f(f"{v}_replicate_s"), f(f"{v}_federation_s") + f(f"{v}_broadcast_s"),
-                f(f"{v}_total_s")]
+        return [
+            f(f"{v}_shard_s"),
+            f(f"{v}_replicate_s"),
+            f(f"{v}_federation_s") + f(f"{v}_broadcast_s"),
+            f(f"{v}_total_s"),
+        ]
 
-    return [[row["mesh"], f("B_shard_gbit_s"), f("B_replicate_gbit_s"), f("B_federation_gbit_s"),
-             f("aggregations_per_step"), f("measured_step_s")],
-            phases("paper"), phases("exact") + [f("exact_over_paper")],
-            [f(f"bytes_{d}_per_step") / 1e9 for d in ("shard", "replicate", "federation")]]
+    return [
+        [
+            row["mesh"],
+            f("B_shard_gbit_s"),
+            f("B_replicate_gbit_s"),
+            f("B_federation_gbit_s"),
+            f("aggregations_per_step"),
+            f("measured_step_s"),
+        ],
+        phases("paper"),
+        phases("exact") + [f("exact_over_paper")],
+        [f(f"bytes_{d}_per_step") / 1e9 for d in ("shard", "replicate", "federation")],
+    ]
 
 
 def test_the_table_fits_100_columns_with_units_in_its_headers(outputs):
@@ -64,8 +80,9 @@ def test_csv_and_json_hold_the_numbers_the_table_shows(outputs):
     for algo in ALGORITHMS:
         for key, value in as_json[algo].items():  # the same numbers in both
             text = rows[algo][key]
-            assert text == value if isinstance(value, str) else (
-                text == "" if value is None else float(text) == value), (algo, key, text, value)
+            assert (
+                text == value if isinstance(value, str) else (text == "" if value is None else float(text) == value)
+            ), (algo, key, text, value)
     lines = outputs["table"].stdout.splitlines()
     for algo in ALGORITHMS:
         shown = [line.split()[1:] for line in lines if line.split()[:1] == [algo]]

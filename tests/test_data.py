@@ -1,9 +1,10 @@
 """Data: the shipped corpus, the block cutting, the per-rank slices, the clean_mc4_it loader."""
+
 import pytest
 import torch
+from conftest import compose_cfg
 from omegaconf import OmegaConf
 
-from conftest import compose_cfg
 from fldp import ASSETS
 from fldp.data import RankBatches, load_tokenizer, prepare, tokenize_blocks
 from fldp.mesh import ConfigError
@@ -39,12 +40,14 @@ def test_blocks_are_the_concatenated_documents():
 
 def test_rank_slices_are_disjoint_and_seeded():
     blocks = torch.arange(100).view(100, 1)
+
     def epoch(rank, seed, world=4):
         return torch.cat(list(RankBatches(blocks, 3, rank, world, seed).epoch(0))).flatten().tolist()
+
     slices = [epoch(r, 42) for r in range(4)]
     seen = [i for s in slices for i in s]
     assert len(seen) == len(set(seen)) == 4 * (25 // 3) * 3  # disjoint, short batches dropped
-    assert slices == [epoch(r, 42) for r in range(4)]       # deterministic from the seed
+    assert slices == [epoch(r, 42) for r in range(4)]  # deterministic from the seed
     assert slices != [epoch(r, 7) for r in range(4)]
 
 
@@ -52,20 +55,29 @@ def test_clean_mc4_it_loader_on_the_shipped_corpus(tmp_path):
     """The paper's loader (hub id or local path, fixed blocks, train/test counts) on local files."""
     cfg = dataset_cfg(tmp_path, "dataset=clean_mc4_it")
     assert (cfg.block_size, cfg.train_blocks, cfg.eval_blocks) == (2048, 65536, 4096)
-    OmegaConf.update(cfg, "data_files", {"train": str(ASSETS / "diodati_1649/train.jsonl.gz"),
-                                         "validation": str(ASSETS / "diodati_1649/validation.jsonl.gz")})
+    OmegaConf.update(
+        cfg,
+        "data_files",
+        {
+            "train": str(ASSETS / "diodati_1649/train.jsonl.gz"),
+            "validation": str(ASSETS / "diodati_1649/validation.jsonl.gz"),
+        },
+    )
     cfg.path, cfg.tokenizer = "json", str(ASSETS / "diodati_1649/tokenizer")
     cfg.block_size, cfg.train_blocks, cfg.eval_blocks = 256, 100, 10
     blocks = prepare(cfg)
     assert blocks.train.shape == (100, 256) and blocks.eval.shape == (10, 256)
 
 
-@pytest.mark.parametrize("key,value,expected", [
-    ("dataset.data_files.validation", "/missing/v.jsonl", "dataset.data_files.validation=/missing/v.jsonl"),
-    ("dataset.tokenizer", "/missing/tok", "dataset.tokenizer=/missing/tok"),
-    ("dataset.text_field", "body", "dataset.text_field=body"),
-    ("dataset.block_size", "2000000", "dataset.train_split=train: no full block"),
-])
+@pytest.mark.parametrize(
+    "key,value,expected",
+    [
+        ("dataset.data_files.validation", "/missing/v.jsonl", "dataset.data_files.validation=/missing/v.jsonl"),
+        ("dataset.tokenizer", "/missing/tok", "dataset.tokenizer=/missing/tok"),
+        ("dataset.text_field", "body", "dataset.text_field=body"),
+        ("dataset.block_size", "2000000", "dataset.train_split=train: no full block"),
+    ],
+)
 def test_bad_data_is_named(tmp_path, key, value, expected):
     with pytest.raises(ConfigError, match=expected.replace(".", r"\.")):
         prepare(dataset_cfg(tmp_path, f"{key}={value}"))

@@ -1,5 +1,6 @@
 """Data faults end before any worker starts, naming the file and the problem; a broken token cache
 is made again. Each fault is made from the shipped corpus and tokenizer."""
+
 import gzip
 import json
 import os
@@ -10,8 +11,8 @@ import sys
 import threading
 
 import pytest
-
 from conftest import ROOT, cli, compose_cfg
+
 from fldp.data import cache_entry, load_tokenizer, prepare
 from fldp.mesh import ConfigError
 
@@ -49,8 +50,10 @@ def test_a_broken_corpus_is_named(tmp_path, fault):
 
 
 def test_a_tokenizer_directory_missing_a_file_is_named(tmp_path):
-    for missing, says in (("tokenizer.json", "cannot load a tokenizer"),
-                          ("tokenizer_config.json", "no end-of-sequence token (tokenizer_config.json is missing")):
+    for missing, says in (
+        ("tokenizer.json", "cannot load a tokenizer"),
+        ("tokenizer_config.json", "no end-of-sequence token (tokenizer_config.json is missing"),
+    ):
         tokenizer = tmp_path / f"without_{missing}"
         shutil.copytree(SOURCE / "tokenizer", tokenizer)
         (tokenizer / missing).unlink()
@@ -78,8 +81,9 @@ def test_a_cache_of_another_tokenizer_is_not_used(tmp_path):
     shutil.copytree(SOURCE / "tokenizer", other)
     config = json.loads((other / "tokenizer_config.json").read_text())
     vocab = load_tokenizer(str(other)).get_vocab()
-    config["eos_token"] = next(t for t in vocab if t not in (config.get("eos_token"), config.get("bos_token"))
-                               and vocab[t] > 10)
+    config["eos_token"] = next(
+        t for t in vocab if t not in (config.get("eos_token"), config.get("bos_token")) and vocab[t] > 10
+    )
     (other / "tokenizer_config.json").write_text(json.dumps(config))
     cfg2 = compose_cfg(f"dataset.cache_dir={tmp_path / 'cache'}", f"dataset.tokenizer={other}")
     second = prepare(cfg2.dataset)
@@ -90,8 +94,14 @@ def test_the_cli_stops_before_any_worker(tmp_path):
     bad = tmp_path / "not_json.jsonl.gz"
     bad.write_bytes(FAULTS["not_json"][0])
     run_dir = tmp_path / "run"
-    out = cli(f"dataset.data_files.train={bad}", f"dataset.cache_dir={tmp_path / 'cache'}", "trainer.steps=1",
-              f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=120)
+    out = cli(
+        f"dataset.data_files.train={bad}",
+        f"dataset.cache_dir={tmp_path / 'cache'}",
+        "trainer.steps=1",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert out.returncode == 2 and f"dataset.data_files.train={bad}: cannot read" in out.stderr, out.stderr[-2000:]
     assert "Traceback" not in out.stderr
     assert not run_dir.exists(), "a refused run left its directory (Hydra's .hydra/ and train.log)"
@@ -141,18 +151,38 @@ def closed_port() -> str:
 def run_clean_mc4_it(tmp_path, **env) -> subprocess.CompletedProcess:
     """dataset=clean_mc4_it with its path and tokenizer left at their hub ids (CLEAN_MC4_IT and
     LLAMA31_TOKENIZER unset), an empty Hugging Face cache, and `env`."""
-    unset = {"CLEAN_MC4_IT", "LLAMA31_TOKENIZER", "HF_ENDPOINT", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
-             "HF_DATASETS_OFFLINE"}
+    unset = {
+        "CLEAN_MC4_IT",
+        "LLAMA31_TOKENIZER",
+        "HF_ENDPOINT",
+        "HF_HUB_OFFLINE",
+        "TRANSFORMERS_OFFLINE",
+        "HF_DATASETS_OFFLINE",
+    }
     base = {k: v for k, v in os.environ.items() if k not in unset}
     base.update(HF_HOME=str(tmp_path / "hf"), FLDP_CACHE=str(tmp_path / "cache"), NO_PROXY="127.0.0.1", **env)
-    return subprocess.run([sys.executable, "-m", "fldp.train", "dataset=clean_mc4_it", "wandb.mode=disabled",
-                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True,
-                          env=base, timeout=300)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fldp.train",
+            "dataset=clean_mc4_it",
+            "wandb.mode=disabled",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=base,
+        timeout=300,
+    )
 
 
 TOKENIZER_REFUSED = "fldp: config error: dataset.tokenizer=meta-llama/Llama-3.1-8B: a hub id, but "
-SET_TOKENIZER = ("the Hugging Face cache holds no copy of it: set LLAMA31_TOKENIZER (or dataset.tokenizer) to a "
-                 "local directory holding the tokenizer")
+SET_TOKENIZER = (
+    "the Hugging Face cache holds no copy of it: set LLAMA31_TOKENIZER (or dataset.tokenizer) to a "
+    "local directory holding the tokenizer"
+)
 
 
 def test_offline_mode_refuses_a_hub_tokenizer_at_once_naming_it(tmp_path):
@@ -166,7 +196,9 @@ def test_an_unreachable_hub_refuses_a_hub_tokenizer_naming_it(tmp_path):
     endpoint = closed_port()
     out = run_clean_mc4_it(tmp_path, HF_ENDPOINT=endpoint)
     assert out.returncode == 2, out.stderr[-2000:]
-    assert f"{TOKENIZER_REFUSED}the hub cannot be reached at {endpoint} (ConnectionRefusedError" in out.stderr, out.stderr[-2000:]
+    assert f"{TOKENIZER_REFUSED}the hub cannot be reached at {endpoint} (ConnectionRefusedError" in out.stderr, (
+        out.stderr[-2000:]
+    )
     assert SET_TOKENIZER in out.stderr
 
 
@@ -184,6 +216,8 @@ def test_a_hub_dataset_is_refused_after_one_request_when_the_hub_does_not_answer
     out = run_clean_mc4_it(tmp_path, HF_ENDPOINT=closing_hub.url, LLAMA31_TOKENIZER=str(SOURCE / "tokenizer"))
     assert closing_hub.asked() == ["HEAD / HTTP/1.1"], closing_hub.requests
     assert out.returncode == 2, out.stderr[-2000:]
-    assert (f"fldp: config error: dataset.path=gsarti/clean_mc4_it: a hub dataset, but the hub cannot be reached at "
-            f"{closing_hub.url}") in out.stderr, out.stderr[-2000:]
+    assert (
+        f"fldp: config error: dataset.path=gsarti/clean_mc4_it: a hub dataset, but the hub cannot be reached at "
+        f"{closing_hub.url}"
+    ) in out.stderr, out.stderr[-2000:]
     assert "set CLEAN_MC4_IT (or dataset.path) to a local copy" in out.stderr

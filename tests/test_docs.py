@@ -1,5 +1,6 @@
 """The docs: the MkDocs site builds with --strict, README.md stays a short front page whose commands CI
 reads, no page names a path of one machine, and the generated configuration reference has every key."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -16,8 +17,7 @@ from fldp.schema import KEYS
 from fldp.schema_doc import reference_markdown
 
 README = ROOT / "README.md"
-SETUP = ('python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 '
-         '&& pip install -e ".[dev]"')
+SETUP = 'python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e ".[dev]"'
 CPU_WHEEL = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 TESTS = "python -m pytest -q"
 README_MAX_LINES = 200
@@ -54,10 +54,14 @@ def test_site_builds_strict(tmp_path):
     if importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("material") is None:
         pytest.skip("mkdocs or mkdocs-material is not installed (the dev extra installs both)")
     site = tmp_path / "site"
-    build = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict",
-                            "-f", str(ROOT / "mkdocs.yml"), "-d", str(site)],
-                           cwd=ROOT, capture_output=True, text=True, timeout=300,
-                           env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    build = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"), "-d", str(site)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
     assert build.returncode == 0, f"mkdocs build --strict failed:\n{build.stdout[-3000:]}{build.stderr[-5000:]}"
     page = site / "reference" / "config" / "index.html"
     assert page.is_file(), "the generated configuration reference is missing from the site"
@@ -68,7 +72,8 @@ def test_readme_is_a_front_page_with_the_commands_ci_reads():
     text = README.read_text()
     lines = text.splitlines()
     assert len(lines) <= README_MAX_LINES, (
-        f"README.md has {len(lines)} lines, at most {README_MAX_LINES}: move the detail into docs/")
+        f"README.md has {len(lines)} lines, at most {README_MAX_LINES}: move the detail into docs/"
+    )
     parts = sections(text)
     assert SETUP in parts.get("Setup", []), f"README.md's Setup section must hold the setup command:\n{SETUP}"
     assert any(CPU_WHEEL in line for line in text.splitlines()), f"README.md must give {CPU_WHEEL!r}"
@@ -84,8 +89,9 @@ def test_readme_relative_links_exist():
 
 def test_no_machine_paths_in_docs_and_reports():
     try:
-        listed = subprocess.run(["git", "ls-files", "-z", "--", *CHECKED], cwd=ROOT, capture_output=True,
-                                check=True).stdout.split(b"\0")
+        listed = subprocess.run(
+            ["git", "ls-files", "-z", "--", *CHECKED], cwd=ROOT, capture_output=True, check=True
+        ).stdout.split(b"\0")
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("not a git checkout: no list of tracked files")
     found = []
@@ -94,13 +100,14 @@ def test_no_machine_paths_in_docs_and_reports():
         if not path.is_file():
             continue
         data = path.read_bytes()
-        if b"\0" in data:   # binary (figures)
+        if b"\0" in data:  # binary (figures)
             continue
         for number, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
             if MACHINE_PATH.search(line):
                 found.append(f"{name.decode()}:{number}: {line.strip()[:120]}")
-    assert not found, ("absolute paths of a machine (use a path relative to the repository, or OUT):\n"
-                       + "\n".join(found))
+    assert not found, "absolute paths of a machine (use a path relative to the repository, or OUT):\n" + "\n".join(
+        found
+    )
 
 
 def test_machine_path_pattern():
@@ -113,5 +120,6 @@ def test_reference_has_a_row_for_every_key():
     rows = re.findall(r"^\| `([^`]+)` \|", reference_markdown(), flags=re.M)
     twice = [k for k, n in Counter(rows).items() if n > 1]
     assert not twice, f"keys listed more than once: {twice}"
-    assert set(rows) == set(KEYS), (f"missing from the reference: {sorted(set(KEYS) - set(rows))}; "
-                                    f"not in KEYS: {sorted(set(rows) - set(KEYS))}")
+    assert set(rows) == set(KEYS), (
+        f"missing from the reference: {sorted(set(KEYS) - set(rows))}; not in KEYS: {sorted(set(rows) - set(KEYS))}"
+    )

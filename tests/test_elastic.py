@@ -1,6 +1,7 @@
 """Elastic federation (fldp/elastic.py, on torchft): a failed group costs only itself, is restarted,
 heals from a live peer and rejoins. Real processes, real gloo, a real torchft lighthouse; the
 failures are real SIGKILLs of every rank of a group (FLDP_FAULT)."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import QUICK, cli, compose_cfg, identical, needs_netns, read_rows, train_world
+
 from fldp import elastic, faults, netns
 from fldp.data import prepare
 from fldp.errors import ConfigError
@@ -44,8 +45,10 @@ def _rank(cfg, run_dir, blocks, out, member, device):
     def on_step(step, model, aggregated):
         if aggregated:
             names = {p: n for n, p in model.named_parameters()}
-            state = {names[p]: {k: (v.to_local() if hasattr(v, "to_local") else v).clone() for k, v in s.items()}
-                     for p, s in made["optimizer"].state.items()}
+            state = {
+                names[p]: {k: (v.to_local() if hasattr(v, "to_local") else v).clone() for k, v in s.items()}
+                for p, s in made["optimizer"].state.items()
+            }
             torch.save(state, Path(out) / f"adamw_g{member.group}_r{dist.get_rank()}_s{step}.pt")
         if step == cfg.trainer.steps:
             full = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}  # group collective
@@ -63,8 +66,9 @@ def run_elastic(cfg, run_dir: Path, fault: str | None, monkeypatch, network=None
     out = run_dir / "weights"
     out.mkdir(parents=True)
     shape = MeshShape(cfg.mesh.federation, cfg.mesh.replicate, cfg.mesh.shard)
-    elastic.run_local(_rank, (cfg, str(run_dir), prepare(cfg.dataset), str(out)), shape, cfg.cluster, str(run_dir),
-                      network=network)
+    elastic.run_local(
+        _rank, (cfg, str(run_dir), prepare(cfg.dataset), str(out)), shape, cfg.cluster, str(run_dir), network=network
+    )
     return {g: torch.load(out / f"group_{g}.pt") for g in range(shape.federation)}
 
 
@@ -77,10 +81,18 @@ def steps_of(rows: list[dict]) -> list[int]:
     return [r["step"] for r in rows if "split" not in r]
 
 
-@pytest.mark.parametrize("layout", [
-    ["algorithm=fl_fsdp", "topology=local_4"],  # 2x1x2
-    ["algorithm=fl_hsdp", "topology=local_8", "algorithm.fedavg.mode=all_replicas"],  # 2x2x2; DiLoCo's test: leader_broadcast
-], ids=["fl_fsdp", "fl_hsdp-all_replicas"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["algorithm=fl_fsdp", "topology=local_4"],  # 2x1x2
+        [
+            "algorithm=fl_hsdp",
+            "topology=local_8",
+            "algorithm.fedavg.mode=all_replicas",
+        ],  # 2x2x2; DiLoCo's test: leader_broadcast
+    ],
+    ids=["fl_fsdp", "fl_hsdp-all_replicas"],
+)
 def test_an_elastic_run_without_failures_trains_as_the_static_federation(tmp_path, monkeypatch, layout):
     """No failure: the same losses as the federation without elastic (the mean of the groups' own,
     per step, bit for bit), the same final model, and every aggregation with both groups."""
@@ -105,8 +117,9 @@ def test_a_killed_group_costs_only_itself_heals_from_a_peer_and_rejoins(tmp_path
     step once; their next aggregation has 3 participants; group 2 restarts, heals from them and
     trains on from there; after the last aggregation every group holds the same weights."""
     # steps enough for the restart (forked ranks, model, torchft manager) on a loaded 2-core machine
-    cfg = compose_cfg("algorithm=fl_fsdp", "topology=local_8", "mesh.federation=4", "mesh.shard=2", *SHORT,
-                      "trainer.steps=48")
+    cfg = compose_cfg(
+        "algorithm=fl_fsdp", "topology=local_8", "mesh.federation=4", "mesh.shard=2", *SHORT, "trainer.steps=48"
+    )
     weights = run_elastic(cfg, tmp_path, "group=2,step=5", monkeypatch)
     for g in (0, 1, 3):
         rows = records(tmp_path, g)
@@ -122,7 +135,9 @@ def test_a_killed_group_costs_only_itself_heals_from_a_peer_and_rejoins(tmp_path
     assert heal["participants"] == 3 and heal["committed"] and heal["time_heal"] > 0
     # each rank's AdamW state after the heal is its source group's (same rank) at that aggregation
     for rank, source in enumerate(heal["healed_from"]):
-        mine, theirs = (torch.load(tmp_path / "weights" / f"adamw_g{g}_r{rank}_s{heal['step']}.pt") for g in (2, source))
+        mine, theirs = (
+            torch.load(tmp_path / "weights" / f"adamw_g{g}_r{rank}_s{heal['step']}.pt") for g in (2, source)
+        )
         assert mine.keys() == theirs.keys() and all(identical(mine[n], theirs[n]) for n in mine), rank
     for g in (1, 2, 3):
         assert identical(weights[g], weights[0]), g
@@ -149,8 +164,7 @@ def test_a_killed_fl_hsdp_group_costs_only_itself_and_heals_every_replica_from_t
     assert identical(weights[1], weights[0])
 
 
-def test_a_group_killed_inside_an_aggregation_leaves_the_others_their_own_weights_until_the_next(
-        tmp_path, monkeypatch):
+def test_a_group_killed_inside_an_aggregation_leaves_the_others_their_own_weights_until_the_next(tmp_path, monkeypatch):
     """DiLoCo on fl_hsdp's 2x2x2 (leader_broadcast; the outer Nesterov momentum must be healed too):
     group 1 dies in step 8's aggregation, after the quorum that counts it: group 0's all-reduce
     fails, the aggregation is not applied (committed false), and group 0 trains on; group 1 heals
@@ -162,7 +176,12 @@ def test_a_group_killed_inside_an_aggregation_leaves_the_others_their_own_weight
     outcome = {r["step"]: (r["participants"], r["committed"]) for r in rows if "participants" in r}
     assert outcome[4] == (2, True) and outcome[8] == (2, False) and outcome[48] == (2, True), outcome
     heal = next(r for r in records(tmp_path, 1) if r.get("split") == "heal")
-    assert heal["healed_from"] == [0, 0, 0, 0] and heal["participants"] == 1 and heal["step"] % 4 == 0 and 12 <= heal["step"] < 48
+    assert (
+        heal["healed_from"] == [0, 0, 0, 0]
+        and heal["participants"] == 1
+        and heal["step"] % 4 == 0
+        and 12 <= heal["step"] < 48
+    )
     assert identical(weights[1], weights[0])
 
 
@@ -209,7 +228,7 @@ def test_a_node_cut_off_for_a_while_is_left_out_and_rejoins_when_its_link_is_bac
         assert all(r["committed"] for r in rows if "participants" in r)
     rows = records(tmp_path, 2)
     heal = next(r for r in rows if r.get("split") == "heal")
-    before = [r["step"] for r in rows[:rows.index(heal)] if "split" not in r]
+    before = [r["step"] for r in rows[: rows.index(heal)] if "split" not in r]
     assert heal["restart"] == 0 and set(heal["healed_from"]) <= {0, 1, 3} and heal["committed"]
     assert before[-1] % 4 == 0 and before[-1] < heal["step"] and heal["healed_at"] > cut["at"], (before, heal)
     assert steps_of(rows) == [*range(1, before[-1] + 1), *range(heal["step"] + 1, 49)]
@@ -222,23 +241,37 @@ def test_a_node_cut_off_for_a_while_is_left_out_and_rejoins_when_its_link_is_bac
 def test_a_group_that_fails_again_at_once_is_restarted_a_bounded_number_of_times(tmp_path):
     """Group 1 dies as it starts, in every incarnation: restarted cluster.max_restarts=2 times, then
     the run ends (exit 1) naming the group, the limit and the failure; each failure is recorded."""
-    run = cli("algorithm=fl_fsdp", "topology=local_4", *SHORT, "trainer.steps=400", "cluster.max_restarts=2",
-              *QUICK, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path,
-              env={faults.VARIABLE: "group=1,at=start,repeat=true"})
+    run = cli(
+        "algorithm=fl_fsdp",
+        "topology=local_4",
+        *SHORT,
+        "trainer.steps=400",
+        "cluster.max_restarts=2",
+        *QUICK,
+        f"hydra.run.dir={tmp_path / 'run'}",
+        cwd=tmp_path,
+        env={faults.VARIABLE: "group=1,at=start,repeat=true"},
+    )
     assert run.returncode == 1, run.stderr[-3000:]
     assert "federation group 1 failed and is not restarted (it failed 3 times (cluster.max_restarts=2))" in run.stderr
     assert "SIGKILL" in run.stderr
     events = [json.loads(line) for line in (tmp_path / "run" / "elastic_events.jsonl").read_text().splitlines()]
-    assert [(e["group"], e["incarnation"], e["restarted"]) for e in events] == [(1, 0, True), (1, 1, True), (1, 2, False)]
+    assert [(e["group"], e["incarnation"], e["restarted"]) for e in events] == [
+        (1, 0, True),
+        (1, 1, True),
+        (1, 2, False),
+    ]
     assert not any(p for p in os.popen("ps -eo args").read().splitlines() if str(tmp_path) in p)
 
 
 def test_a_groups_failure_names_the_rank_killed_outright_even_when_a_peer_reported_an_error_first(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     """The race the bounded-restart test met in CI: rank 0 is SIGKILLed while rank 1, still joining,
     reports its lost connection as a Python error. The failure must say how every rank ended (rank 0:
     SIGKILL), not only the peer's error. Real processes: one killed, one exiting with an error."""
     import multiprocessing as mp
+
     from fldp import launch
 
     monkeypatch.setattr(launch, "_GRACE_S", 0.0)
@@ -254,8 +287,15 @@ def test_a_groups_failure_names_the_rank_killed_outright_even_when_a_peer_report
     survivor = elastic._Group(0)
     survivor.procs = [ctx.Process(target=time.sleep, args=(0,))]  # not started: still training
     with pytest.raises(elastic.WorkerError) as failure:
-        elastic._failed(group, peer, [survivor, group], tmp_path / "events.jsonl",
-                        restart_failed=True, max_restarts=0, launch=launch)
+        elastic._failed(
+            group,
+            peer,
+            [survivor, group],
+            tmp_path / "events.jsonl",
+            restart_failed=True,
+            max_restarts=0,
+            launch=launch,
+        )
     message = str(failure.value)
     assert "rank 0 signal SIGKILL, rank 1 exit code 1" in message, message
     assert "DistNetworkError" in message, message
@@ -264,8 +304,15 @@ def test_a_groups_failure_names_the_rank_killed_outright_even_when_a_peer_report
 def test_the_fault_drill_kills_a_group_of_a_static_run_too(tmp_path):
     """FLDP_FAULT in a run without elastic federation: group 1's ranks die after step 3 (saying
     when), which ends the run as any dead rank does (the benchmark's kill-requeue-resume side)."""
-    run = cli("algorithm=fl_fsdp", "topology=local_4", "trainer.steps=8", *QUICK, f"hydra.run.dir={tmp_path / 'run'}",
-              cwd=tmp_path, env={faults.VARIABLE: "group=1,step=3"})
+    run = cli(
+        "algorithm=fl_fsdp",
+        "topology=local_4",
+        "trainer.steps=8",
+        *QUICK,
+        f"hydra.run.dir={tmp_path / 'run'}",
+        cwd=tmp_path,
+        env={faults.VARIABLE: "group=1,step=3"},
+    )
     assert run.returncode == 1, run.stderr[-3000:]
     assert "FLDP_FAULT kills group 1 at step 3 (unix time" in run.stderr
     assert "died (signal SIGKILL)" in run.stderr
@@ -296,14 +343,21 @@ def test_the_lighthouse_dying_ends_the_run_clearly(tmp_path):
     assert not multiprocessing.active_children()
 
 
-@pytest.mark.parametrize("overrides, named", [
-    (["algorithm=hsdp", "topology=local_4", "+algorithm.elastic=true"], "algorithm.elastic"),
-    (["algorithm=fl_fsdp", "topology=local_4", "algorithm.elastic=true", "trainer.checkpoint_every=4"],
-     "trainer.checkpoint_every=4"),
-    (["algorithm=fl_fsdp", "topology=local_4", "algorithm.elastic=true", "cluster=simulate"], "cluster=simulate"),
-    (["algorithm=fl_fsdp", "topology=local_4", "algorithm.elastic=true", "algorithm.federate=[.*layers.*]"],
-     "algorithm.federate"),
-])
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["algorithm=hsdp", "topology=local_4", "+algorithm.elastic=true"], "algorithm.elastic"),
+        (
+            ["algorithm=fl_fsdp", "topology=local_4", "algorithm.elastic=true", "trainer.checkpoint_every=4"],
+            "trainer.checkpoint_every=4",
+        ),
+        (["algorithm=fl_fsdp", "topology=local_4", "algorithm.elastic=true", "cluster=simulate"], "cluster=simulate"),
+        (
+            ["algorithm=fl_fsdp", "topology=local_4", "algorithm.elastic=true", "algorithm.federate=[.*layers.*]"],
+            "algorithm.federate",
+        ),
+    ],
+)
 def test_elastic_federation_refuses_what_it_cannot_do_before_any_worker_starts(overrides, named):
     """The check `fldp.train.cli` runs before Hydra writes anything (exit 2: tests/test_cli.py)."""
     with pytest.raises(ConfigError, match=re.escape(named)):

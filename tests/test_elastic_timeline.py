@@ -1,6 +1,7 @@
 """The failure-time chart's series (analysis/elastic_timeline.py) from rows written by hand, as the
 trainer and experiments/bench_elastic.py define them: no processes. Every step takes 0.5 s but the
 first (2 s); FedAvg every 4 steps; unix times start at T."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,8 +12,15 @@ T = 1000.0
 
 
 def train_rows(first: int, last: int, step_s: float = 0.5, **aggregation) -> list[dict]:
-    return [{"step": s, "time_step": 2.0 if s == 1 else step_s, "aggregated": s % 4 == 0,
-             **(aggregation if s % 4 == 0 else {})} for s in range(first, last + 1)]
+    return [
+        {
+            "step": s,
+            "time_step": 2.0 if s == 1 else step_s,
+            "aggregated": s % 4 == 0,
+            **(aggregation if s % 4 == 0 else {}),
+        }
+        for s in range(first, last + 1)
+    ]
 
 
 def elastic_groups() -> dict[int, list[dict]]:
@@ -23,8 +31,17 @@ def elastic_groups() -> dict[int, list[dict]]:
     def survivor():
         return [*train_rows(1, 7, **full), *train_rows(8, 8, **{**full, "participants": 2}), *train_rows(9, 12, **full)]
 
-    heal = {"split": "heal", "step": 8, "group": 1, "restart": 1, "healed_from": [0, 2, 0], "participants": 2,
-            "committed": True, "time_heal": 0.7, "healed_at": T + 10.0}
+    heal = {
+        "split": "heal",
+        "step": 8,
+        "group": 1,
+        "restart": 1,
+        "healed_from": [0, 2, 0],
+        "participants": 2,
+        "committed": True,
+        "time_heal": 0.7,
+        "healed_at": T + 10.0,
+    }
     return {0: survivor(), 1: [*train_rows(1, 6, **full), heal, *train_rows(9, 12, **full)], 2: survivor()}
 
 

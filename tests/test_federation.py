@@ -1,4 +1,5 @@
 """FedAvg across federation groups, on real processes over gloo."""
+
 import gc
 import json
 import math
@@ -8,9 +9,9 @@ import weakref
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import Snapshot, compose_cfg, identical, read_rows, run_world, train_world
 
 import fldp.aggregation as aggregation
-from conftest import Snapshot, compose_cfg, identical, read_rows, run_world, train_world
 from fldp.aggregation import FedAvg, FedAvgConfig, OuterConfig
 from fldp.mesh import MeshShape, build_mesh, group_mesh
 from fldp.model import build_model, llama_config, parallelize
@@ -26,8 +27,13 @@ def fl_hsdp_runs(tmp_path_factory):
     runs = {}
     for mode in ("leader_broadcast", "all_replicas"):
         out = tmp_path_factory.mktemp(mode)
-        cfg = compose_cfg("algorithm=fl_hsdp", "topology=local_8", f"trainer.steps={STEPS}",
-                          f"algorithm.every={EVERY}", f"algorithm.fedavg.mode={mode}")
+        cfg = compose_cfg(
+            "algorithm=fl_hsdp",
+            "topology=local_8",
+            f"trainer.steps={STEPS}",
+            f"algorithm.every={EVERY}",
+            f"algorithm.fedavg.mode={mode}",
+        )
         snap = Snapshot(out, range(1, STEPS + 1), cfg)
         runs[mode] = (snap, train_world(cfg, out / "run", snap))
     return runs
@@ -57,8 +63,13 @@ def test_leader_broadcast_equals_all_replicas_bitwise(fl_hsdp_runs):
 def test_fl_fsdp_with_tied_embeddings(tmp_path):
     """FL+FSDP 2x1x4, A=2, a model whose lm_head shares the embedding: still one parameter,
     averaged once, groups identical after aggregation."""
-    cfg = compose_cfg("algorithm=fl_fsdp", "topology=local_8", "trainer.steps=3", "algorithm.every=2",
-                      "model.tie_word_embeddings=true")
+    cfg = compose_cfg(
+        "algorithm=fl_fsdp",
+        "topology=local_8",
+        "trainer.steps=3",
+        "algorithm.every=2",
+        "model.tie_word_embeddings=true",
+    )
     snap = Snapshot(tmp_path, [1, 2, 3], cfg)
     train_world(cfg, tmp_path / "run", snap)
     g0, g1 = snap.load(0, 0, 2), snap.load(1, 0, 2)
@@ -74,8 +85,14 @@ def test_intermediate_evaluation_scores_the_groups_average(tmp_path):
     the groups' weights; training is not changed by it."""
     from fldp.data import prepare
 
-    common = ["algorithm=fl_fsdp", "topology=local_4", "trainer.steps=2", "algorithm.every=2",
-              "trainer.eval_batches=null", "dataset.eval_blocks=8"]
+    common = [
+        "algorithm=fl_fsdp",
+        "topology=local_4",
+        "trainer.steps=2",
+        "algorithm.every=2",
+        "trainer.eval_batches=null",
+        "dataset.eval_blocks=8",
+    ]
     cfg = compose_cfg(*common, "trainer.eval_every=1")
     snap = Snapshot(tmp_path / "eval", [1, 2], cfg)
     rows = train_world(cfg, tmp_path / "eval" / "run", snap)
@@ -90,7 +107,9 @@ def test_intermediate_evaluation_scores_the_groups_average(tmp_path):
         model = build_model(llama_config(cfg.model, blocks.vocab_size))
         model.load_state_dict(params, strict=False)  # parameters only; the rotary buffer is built
         with torch.no_grad():
-            return sum(model(input_ids=x[None].long(), labels=x[None].long()).loss.item() for x in blocks.eval) / len(blocks.eval)
+            return sum(model(input_ids=x[None].long(), labels=x[None].long()).loss.item() for x in blocks.eval) / len(
+                blocks.eval
+            )
 
     average = {n: (groups[0][n] + groups[1][n]) / 2 for n in groups[0]}
     assert evals[0]["averaged"] is True
@@ -128,7 +147,9 @@ def _in_place_worker(cfg, out, device):
         both = [torch.empty_like(p.to_local()) for _ in range(2)]
         dist.all_gather(both, p.to_local().contiguous(), group=fed)
         expected[name] = (both[0] + both[1]) / 2  # exact: halving an fp32 sum rounds nothing more
-    padded = [n for n, p in model.named_parameters() if p.to_local().numel() and p.to_local().shape[0] < -(-p.shape[0] // 2)]
+    padded = [
+        n for n, p in model.named_parameters() if p.to_local().numel() and p.to_local().shape[0] < -(-p.shape[0] // 2)
+    ]
     assert bool(padded) == (s == 1), padded  # chunk 0 is never padded
     old = [weakref.ref(p._local_tensor) for p in model.parameters()]
 
@@ -215,10 +236,10 @@ def test_in_place_and_packed_fedavg_give_the_same_bits(tmp_path):
 
 # each kind of FedAvg bucket: (FedAvg's resident flag, reduce_dtype, federated parameters)
 BUCKET_KINDS = {
-    "resident": (True, None, [".*"]),                          # FSDP2's shards are views of the bucket
-    "copied (resident=False)": (False, None, [".*"]),          # trainer.async_save
-    "copied (casting reduce_dtype)": (True, "bf16", [".*"]),   # fp32 weights, bf16 all-reduce
-    "padded": (True, None, [r".*\.(gate|up)_proj\.weight"]),   # shard 1's: 85 of 86 rows, copied
+    "resident": (True, None, [".*"]),  # FSDP2's shards are views of the bucket
+    "copied (resident=False)": (False, None, [".*"]),  # trainer.async_save
+    "copied (casting reduce_dtype)": (True, "bf16", [".*"]),  # fp32 weights, bf16 all-reduce
+    "padded": (True, None, [r".*\.(gate|up)_proj\.weight"]),  # shard 1's: 85 of 86 rows, copied
 }
 
 

@@ -7,6 +7,7 @@ bit for bit on a machine whose torch and CPU kernels are those that wrote them; 
 Regenerate (only when a change of behaviour is intended, and say why in the commit):
     FLDP_GOLDEN_WRITE=1 python -m pytest tests/test_golden.py -n 0
 """
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from conftest import cli, compose_cfg, read_rows, train_world
+from conftest import cli, compose_cfg, train_world
 
 GOLDEN = Path(__file__).parent / "golden" / "records.json"
 WRITE = os.environ.get("FLDP_GOLDEN_WRITE") == "1"
@@ -30,25 +30,57 @@ CASES = {
     "hsdp_bf16": ["algorithm=hsdp", "topology=local_4", "trainer.precision=bf16"],
     "fl_fsdp": ["algorithm=fl_fsdp", "topology=local_4", "algorithm.every=2"],
     "fl_hsdp": ["algorithm=fl_hsdp", "topology=local_4", "algorithm.every=4"],
-    "fl_hsdp_all_replicas": ["algorithm=fl_hsdp", "topology=local_8", "algorithm.every=4",
-                             "algorithm.fedavg.mode=all_replicas"],
+    "fl_hsdp_all_replicas": [
+        "algorithm=fl_hsdp",
+        "topology=local_8",
+        "algorithm.every=4",
+        "algorithm.fedavg.mode=all_replicas",
+    ],
     "diloco": ["algorithm=diloco_hsdp", "topology=local_4", "algorithm.every=2"],
     "fedadam": ["algorithm=fl_fsdp", "topology=local_4", "algorithm.every=2", "algorithm.outer.name=adam"],
-    "streaming_overlap": ["algorithm=diloco_hsdp", "topology=local_4", "algorithm.every=4",
-                          "algorithm.streaming.fragments=2", "algorithm.streaming.overlap=1",
-                          "algorithm.streaming.alpha=0.5"],
-    "quantised": ["algorithm=fl_fsdp", "topology=local_4", "algorithm.every=2", "algorithm.outer.quantize=int4",
-                  "algorithm.outer.quantize_block=64", "algorithm.outer.error_feedback=true",
-                  "algorithm.outer.momentum=0.9"],
-    "partial": ["algorithm=fl_fsdp", "topology=local_4", "algorithm.every=2",
-                "algorithm.federate=[model\\.layers\\..*]"],
+    "streaming_overlap": [
+        "algorithm=diloco_hsdp",
+        "topology=local_4",
+        "algorithm.every=4",
+        "algorithm.streaming.fragments=2",
+        "algorithm.streaming.overlap=1",
+        "algorithm.streaming.alpha=0.5",
+    ],
+    "quantised": [
+        "algorithm=fl_fsdp",
+        "topology=local_4",
+        "algorithm.every=2",
+        "algorithm.outer.quantize=int4",
+        "algorithm.outer.quantize_block=64",
+        "algorithm.outer.error_feedback=true",
+        "algorithm.outer.momentum=0.9",
+    ],
+    "partial": [
+        "algorithm=fl_fsdp",
+        "topology=local_4",
+        "algorithm.every=2",
+        "algorithm.federate=[model\\.layers\\..*]",
+    ],
     "schedule": ["algorithm=fl_hsdp", "topology=local_4", "algorithm.every=[[0,2],[4,4]]"],
 }
 ELASTIC = ["algorithm=fl_fsdp", "topology=local_2", "algorithm.every=2", "algorithm.elastic=true"]
 
 # what a run computes, not how long it took
-KEEP = {"step", "split", "loss", "lr", "tokens", "aggregated", "eval_of", "group_perplexity", "participants",
-        "committed", "fragments", "fragments_sent", "group"}
+KEEP = {
+    "step",
+    "split",
+    "loss",
+    "lr",
+    "tokens",
+    "aggregated",
+    "eval_of",
+    "group_perplexity",
+    "participants",
+    "committed",
+    "fragments",
+    "fragments_sent",
+    "group",
+}
 
 
 def pinned(rows: list[dict]) -> list[dict]:
@@ -96,8 +128,9 @@ def first_difference(got: list[dict], want: list[dict]) -> str:
     for g, w in zip(got, want):
         if g != w:
             keys = sorted(k for k in g.keys() | w.keys() if g.get(k) != w.get(k))
-            return f"step {g.get('step')} {g.get('split')}: " + ", ".join(f"{k} {g.get(k)!r} != {w.get(k)!r}"
-                                                                         for k in keys)
+            return f"step {g.get('step')} {g.get('split')}: " + ", ".join(
+                f"{k} {g.get(k)!r} != {w.get(k)!r}" for k in keys
+            )
     return "equal"
 
 
@@ -110,7 +143,15 @@ def test_records_are_those_stored(tmp_path, name):
 
 
 def test_elastic_records_without_a_failure_are_those_stored(tmp_path):
-    out = cli(*ELASTIC, *SHORT, BUCKETS, "wandb.mode=disabled", "trainer.progress=false", "trainer.eval_batches=1",
-              f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    out = cli(
+        *ELASTIC,
+        *SHORT,
+        BUCKETS,
+        "wandb.mode=disabled",
+        "trainer.progress=false",
+        "trainer.eval_batches=1",
+        f"hydra.run.dir={tmp_path}",
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     check("elastic", records(tmp_path) + [{"group": 1, **r} for r in records(tmp_path / "group_1")])

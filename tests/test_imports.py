@@ -1,6 +1,7 @@
 """Imports point one way: no module of fldp or analysis imports, directly or through others, a
 module that imports it back. Function-level imports count too (a lazy import hides a circle, it
 does not remove it). Read from the source with ast: nothing is imported to check it."""
+
 from __future__ import annotations
 
 import ast
@@ -45,7 +46,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         state[node] = "open"
         for nxt in sorted(graph[node]):
             if state.get(nxt) == "open":
-                found.append(path[path.index(nxt):] + [nxt])
+                found.append(path[path.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt, path + [nxt])
         state[node] = "done"

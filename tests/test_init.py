@@ -1,11 +1,12 @@
 """Every algorithm, mesh and init device starts from the same weights (fldp.init), and pure bf16
 keeps the buffers the model defines in fp32."""
+
 import math
 
 import pytest
 import torch
+from conftest import Snapshot, compose_cfg, identical, train_world
 
-from conftest import Snapshot, compose_cfg, identical, read_rows, train_world
 from fldp.data import RankBatches, prepare
 from fldp.init import _cos_2pi, _log, standard_normal
 from fldp.model import build_model, init_weights, llama_config, parallelize
@@ -16,15 +17,19 @@ def test_a_value_depends_on_its_index_only():
     is the same bits: the operations round identically in any loop."""
     batch = standard_normal(7, "model.layers.0.mlp.up_proj.weight", 1000, 301, "cpu")
     alone = torch.cat([standard_normal(7, "model.layers.0.mlp.up_proj.weight", 1000 + i, 1, "cpu") for i in range(301)])
-    parts = torch.cat([standard_normal(7, "model.layers.0.mlp.up_proj.weight", 1000, 13, "cpu"),
-                       standard_normal(7, "model.layers.0.mlp.up_proj.weight", 1013, 288, "cpu")])
+    parts = torch.cat(
+        [
+            standard_normal(7, "model.layers.0.mlp.up_proj.weight", 1000, 13, "cpu"),
+            standard_normal(7, "model.layers.0.mlp.up_proj.weight", 1013, 288, "cpu"),
+        ]
+    )
     assert torch.equal(batch, alone) and torch.equal(batch, parts)
     assert not torch.equal(batch, standard_normal(8, "model.layers.0.mlp.up_proj.weight", 1000, 301, "cpu"))
     assert not torch.equal(batch, standard_normal(7, "model.layers.1.mlp.up_proj.weight", 1000, 301, "cpu"))
 
 
 def test_exact_operation_log_and_cos_agree_with_libm():
-    u = torch.linspace(2.0 ** -33, 1.0, 100_001, dtype=torch.float64)
+    u = torch.linspace(2.0**-33, 1.0, 100_001, dtype=torch.float64)
     torch.testing.assert_close(_log(u), torch.log(u), rtol=1e-13, atol=1e-15)
     h = torch.randint(0, 2**32, (100_000,), dtype=torch.int64, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(_cos_2pi(h), torch.cos(2 * math.pi * h.double() / 2**32), rtol=0, atol=1e-13)
@@ -39,8 +44,14 @@ def test_values_are_standard_normal():
     assert 4.0 < z.abs().max().item() < 7.0
 
 
-MESHES = [("algorithm=fsdp",), ("algorithm=hsdp",), ("algorithm=fl_fsdp",), ("algorithm=fl_hsdp",),
-          ("algorithm=fl_hsdp", "model.init_device=meta"), ("algorithm=fsdp", "model.init_device=meta")]
+MESHES = [
+    ("algorithm=fsdp",),
+    ("algorithm=hsdp",),
+    ("algorithm=fl_fsdp",),
+    ("algorithm=fl_hsdp",),
+    ("algorithm=fl_hsdp", "model.init_device=meta"),
+    ("algorithm=fsdp", "model.init_device=meta"),
+]
 
 
 def single_process(cfg):
@@ -49,8 +60,12 @@ def single_process(cfg):
     model = build_model(llama_config(cfg.model, blocks.vocab_size))
     init_weights(model, torch.device("cpu"), cfg.seed)
     with torch.no_grad():
-        losses = [model(input_ids=x, labels=x).loss.item() for x in
-                  (next(RankBatches(blocks.train, cfg.trainer.batch_size, r, 8, cfg.seed).stream()) for r in range(8))]
+        losses = [
+            model(input_ids=x, labels=x).loss.item()
+            for x in (
+                next(RankBatches(blocks.train, cfg.trainer.batch_size, r, 8, cfg.seed).stream()) for r in range(8)
+            )
+        ]
     return {n: p.detach() for n, p in model.named_parameters()}, sum(losses) / 8
 
 
@@ -68,7 +83,7 @@ def test_same_initial_weights_and_step_one_loss_everywhere(tmp_path):
     reference, reference_loss = single_process(cfg)
     for name in initial:
         assert identical(initial[name], reference), name
-        assert first_loss[name] == first_loss["fsdp"], name          # bitwise: the same model on the same data
+        assert first_loss[name] == first_loss["fsdp"], name  # bitwise: the same model on the same data
     assert first_loss["fsdp"] == pytest.approx(reference_loss, rel=1e-6)
     for name, weight in reference.items():
         if weight.dim() == 2:  # no repeated rows (a rank-deficient weight of repeated shard blocks)

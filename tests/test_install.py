@@ -1,5 +1,6 @@
 """The package as a user installs it: a wheel built from this checkout, installed into a fresh
 directory, used from a directory that is not the checkout (the configs must come from the wheel)."""
+
 from __future__ import annotations
 
 import ast
@@ -12,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT
 
 SOURCES = ("pyproject.toml", "README.md", "fldp", "analysis", "conf")
@@ -32,12 +32,20 @@ def installed(tmp_path_factory) -> Path:
             src.mkdir(exist_ok=True)
             shutil.copy2(source, src / name)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(base / "dist"), str(src)],
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(base / "dist"), str(src)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     (wheel,) = (base / "dist").glob("fldp-*.whl")
     target = base / "site"
-    subprocess.run([*pip, "install", "--no-deps", "--target", str(target), str(wheel)],
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [*pip, "install", "--no-deps", "--target", str(target), str(wheel)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return target
 
 
@@ -61,9 +69,18 @@ def test_the_wheel_carries_the_configs_and_runs_outside_the_checkout(installed, 
     assert "name: fsdp" in job.stdout and "name: local_2" in job.stdout
 
     run_dir = tmp_path / "run"
-    run = outside(installed, tmp_path, "fldp-train", "algorithm=fl_fsdp", "topology=local_2", "trainer.steps=1",
-                  "trainer.eval_batches=1", "trainer.progress=false", "wandb.mode=disabled",
-                  f"hydra.run.dir={run_dir}")
+    run = outside(
+        installed,
+        tmp_path,
+        "fldp-train",
+        "algorithm=fl_fsdp",
+        "topology=local_2",
+        "trainer.steps=1",
+        "trainer.eval_batches=1",
+        "trainer.progress=false",
+        "wandb.mode=disabled",
+        f"hydra.run.dir={run_dir}",
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["algorithm"], summary["world_size"], summary["steps"]) == ("fl_fsdp", 2, 1)
@@ -94,7 +111,8 @@ def test_each_command_has_its_own_help(installed, tmp_path):
     report = outside(installed, tmp_path, "fldp-report", "--help")
     assert report.returncode == 0 and report.stdout.startswith("usage: fldp-report "), report.stdout[:500]
     assert outside(installed, tmp_path, "-m", "fldp.analysis.report", "--help").stdout.startswith(
-        "usage: python -m fldp.analysis.report ")
+        "usage: python -m fldp.analysis.report "
+    )
 
 
 def test_the_wheel_installs_one_top_level_package(installed):
@@ -110,8 +128,9 @@ def test_shell_completion(installed, tmp_path):
     assert script.returncode == 0, script.stderr[-2000:]
     assert "hydra_bash_completion" in script.stdout and script.stdout.strip().endswith("fldp-train")
     # what bash asks when the user presses TAB after `fldp-train algo`
-    query = outside(installed, tmp_path, "fldp-train", "-sc", "query=bash",
-                    env={"COMP_LINE": "fldp-train algo", "COMP_POINT": "15"})
+    query = outside(
+        installed, tmp_path, "fldp-train", "-sc", "query=bash", env={"COMP_LINE": "fldp-train algo", "COMP_POINT": "15"}
+    )
     assert query.returncode == 0 and "algorithm=" in query.stdout.split(), query.stdout + query.stderr[-2000:]
 
 
@@ -151,7 +170,6 @@ def test_the_constraints_file_pins_every_dependency_within_its_range():
     """experiments/constraints.txt (the versions the committed studies used) pins each dependency
     of pyproject.toml, the dev extra's included, to one version that its range allows."""
     import tomllib
-
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
     from packaging.version import Version

@@ -1,14 +1,15 @@
 """Mesh validation, the shard-alignment check and failing workers, on real processes over gloo."""
+
 import os
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import compose_cfg, run_world
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard
 
-from conftest import compose_cfg, run_world
 from fldp.aggregation import FedAvg, FedAvgConfig
 from fldp.launch import WorkerError
 from fldp.mesh import ConfigError, MeshShape, build_mesh, group_mesh, mesh_shape
@@ -18,11 +19,20 @@ from fldp.model import build_model, llama_config, parallelize
 def test_rank_coordinates_are_federation_major():
     shape = MeshShape(2, 2, 2)
     assert [shape.coords(r) for r in range(8)] == [
-        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
+        (0, 0, 0),
+        (0, 0, 1),
+        (0, 1, 0),
+        (0, 1, 1),
+        (1, 0, 0),
+        (1, 0, 1),
+        (1, 1, 0),
+        (1, 1, 1),
+    ]
 
 
-@pytest.mark.parametrize("algorithm,shape", [("fsdp", (1, 1, 512)), ("hsdp", (1, 128, 4)),
-                                             ("fl_fsdp", (128, 1, 4)), ("fl_hsdp", (16, 8, 4))])
+@pytest.mark.parametrize(
+    "algorithm,shape", [("fsdp", (1, 1, 512)), ("hsdp", (1, 128, 4)), ("fl_fsdp", (128, 1, 4)), ("fl_hsdp", (16, 8, 4))]
+)
 def test_leonardo_layouts_are_the_authors(algorithm, shape):
     cfg = compose_cfg(f"algorithm={algorithm}", "topology=leonardo_512")
     assert mesh_shape(cfg) == MeshShape(*shape)

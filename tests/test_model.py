@@ -1,7 +1,8 @@
 """The model configs: Llama 3.1 8B exactly, on the meta device, with nothing downloaded."""
-import torch
 
+import torch
 from conftest import compose_cfg
+
 from fldp.model import build_model, init_weights, llama_config
 
 
@@ -18,9 +19,15 @@ def test_llama3_1_8b_on_meta_device():
 def test_meta_init_matches_a_cpu_built_model():
     """The same weights, bit for bit, whether built in full or on the meta device; the rotary
     frequencies (buffers, lost by to_empty) recomputed."""
-    cfg = compose_cfg("model=llama3_1_8b", "model.hidden_size=64", "model.intermediate_size=128",
-                      "model.num_hidden_layers=2", "model.num_attention_heads=4", "model.num_key_value_heads=2",
-                      "model.vocab_size=512")
+    cfg = compose_cfg(
+        "model=llama3_1_8b",
+        "model.hidden_size=64",
+        "model.intermediate_size=128",
+        "model.num_hidden_layers=2",
+        "model.num_attention_heads=4",
+        "model.num_key_value_heads=2",
+        "model.vocab_size=512",
+    )
     config = llama_config(cfg.model)
     cpu = build_model(config)
     meta = build_model(config, "meta")

@@ -3,6 +3,7 @@ between nodes crosses the cap and scales with it, traffic inside a node does not
 behind (not even by a SIGKILLed launcher), and a machine that cannot build the network says so
 before any worker starts. Needs root and iproute2; skipped without them (FLDP_REQUIRE_NETNS=1, set
 by CI, makes that an error)."""
+
 import json
 import logging
 import os
@@ -17,15 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import cli, cluster, compose_cfg, needs_netns, read_rows
 from omegaconf import OmegaConf
 
-from conftest import cli, cluster, compose_cfg, needs_netns, read_rows
 from fldp import netns
 from fldp.cost import Units, crossing_flows, predict, tier_bandwidth
 from fldp.launch import run_local
 from fldp.mesh import ConfigError, MeshShape
 from fldp.train import validate
-
 
 FAST = ["wandb.mode=disabled", "trainer.progress=false", "trainer.eval_batches=1"]
 MB = 2**20
@@ -139,9 +139,22 @@ def test_fsdp_pays_the_link_every_step_fl_fsdp_only_when_it_aggregates(tmp_path)
     rows, summaries = {}, {}
     for algorithm in ("fsdp", "fl_fsdp"):
         run_dir = tmp_path / algorithm
-        proc = subprocess.Popen([sys.executable, "-m", "fldp.train", f"algorithm={algorithm}", "topology=netns_2x4",
-                                 "trainer.steps=3", *FAST, f"hydra.run.dir={run_dir}"],
-                                cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "fldp.train",
+                f"algorithm={algorithm}",
+                "topology=netns_2x4",
+                "trainer.steps=3",
+                *FAST,
+                f"hydra.run.dir={run_dir}",
+            ],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         _, stderr = proc.communicate(timeout=200)
         assert proc.returncode == 0, stderr[-3000:]
         assert not _fldp_namespaces(proc.pid), "namespaces left behind"
@@ -164,9 +177,21 @@ def test_fsdp_pays_the_link_every_step_fl_fsdp_only_when_it_aggregates(tmp_path)
 @pytest.mark.timeout(240)
 def test_a_sigkilled_launchers_namespaces_are_removed_by_the_next_start(tmp_path):
     run_dir = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "fldp.train", "algorithm=fl_fsdp", "topology=netns_2x4",
-                             "trainer.steps=500", *FAST, f"hydra.run.dir={run_dir}"],
-                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fldp.train",
+            "algorithm=fl_fsdp",
+            "topology=netns_2x4",
+            "trainer.steps=500",
+            *FAST,
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 150
     while not (run_dir / "metrics.jsonl").exists():  # mid-run: the workers train in their namespaces
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended or never started"
@@ -178,8 +203,14 @@ def test_a_sigkilled_launchers_namespaces_are_removed_by_the_next_start(tmp_path
     assert _fldp_namespaces(proc.pid) == left  # SIGKILL runs no cleanup: the next start must
     assert len(list(Path("/etc/netns").glob(f"fldp-{proc.pid}-*"))) == 2  # the nodes' hosts files
 
-    out = cli("algorithm=fl_fsdp", "topology=netns_2x4", "trainer.steps=1", *FAST,
-              f"hydra.run.dir={tmp_path / 'next'}", cwd=tmp_path)
+    out = cli(
+        "algorithm=fl_fsdp",
+        "topology=netns_2x4",
+        "trainer.steps=1",
+        *FAST,
+        f"hydra.run.dir={tmp_path / 'next'}",
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert not _fldp_namespaces(proc.pid), "the killed launcher's namespaces are still there"
     assert not list(Path("/etc/netns").glob(f"fldp-{proc.pid}-*")), "its hosts files are still there"
@@ -202,8 +233,9 @@ run_local(sleep, (), 2, "cpu", cl, netns.Network(2, 1, netns.Link(10)))
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_sigterm_or_ctrl_c_of_the_launcher_removes_its_namespaces(tmp_path, sig):
-    proc = subprocess.Popen([sys.executable, "-c", _SLEEPER], cwd=tmp_path,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLEEPER], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.monotonic() + 40
     while len(_fldp_namespaces(proc.pid)) < 3 or len(_children(proc.pid)) < 2:
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-2000:]
@@ -251,10 +283,12 @@ def test_reap_removes_only_the_namespaces_of_launchers_that_provably_ended():
     sleeper.wait()
     here, me = os.stat("/proc/self/ns/pid").st_ino, os.getpid()
     # fldp-<launcher pid>-<its PID namespace's inode>-<its start time>-<node>
-    names = {"ended": f"fldp-{sleeper.pid}-{here}-{start}-sw",
-             "reused": f"fldp-{me}-{here}-{_start_time(me) + 1}-sw",
-             "running": f"fldp-{me}-{here}-{_start_time(me)}-sw",
-             "foreign": f"fldp-{sleeper.pid}-{here + 1}-{start}-sw"}
+    names = {
+        "ended": f"fldp-{sleeper.pid}-{here}-{start}-sw",
+        "reused": f"fldp-{me}-{here}-{_start_time(me) + 1}-sw",
+        "running": f"fldp-{me}-{here}-{_start_time(me)}-sw",
+        "foreign": f"fldp-{sleeper.pid}-{here + 1}-{start}-sw",
+    }
     try:
         for name in names.values():
             subprocess.run(["ip", "netns", "add", name], check=True)
@@ -287,10 +321,24 @@ def test_a_live_launcher_in_another_pid_namespace_keeps_its_namespaces():
     """/run/netns shared with a container: a launcher there has a pid that runs nothing here, and
     reap() from here must not take it for a dead one. Its pid is set to one free here."""
     pid = next(p for p in range(31000, 20000, -1) if not os.path.exists(f"/proc/{p}"))
-    proc = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", "sh", "-c",
-                             f'echo {pid - 1} > /proc/sys/kernel/ns_last_pid && "$0" -c "$1"; :',
-                             sys.executable, _FOREIGN],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            "unshare",
+            "--pid",
+            "--fork",
+            "--mount-proc",
+            "--kill-child",
+            "sh",
+            "-c",
+            f'echo {pid - 1} > /proc/sys/kernel/ns_last_pid && "$0" -c "$1"; :',
+            sys.executable,
+            _FOREIGN,
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     prefix = None
     try:
         prefix = proc.stdout.readline().strip()
@@ -334,8 +382,15 @@ def test_destroy_reports_a_namespace_it_could_not_delete(caplog):
 def test_without_ip_the_run_fails_before_any_worker_naming_it(tmp_path):
     empty = tmp_path / "bin"
     empty.mkdir()
-    out = cli("algorithm=fsdp", "topology=netns_2x4", *FAST, f"hydra.run.dir={tmp_path / 'run'}",
-              cwd=tmp_path, timeout=120, env={"PATH": str(empty)})  # python is called by its full path
+    out = cli(
+        "algorithm=fsdp",
+        "topology=netns_2x4",
+        *FAST,
+        f"hydra.run.dir={tmp_path / 'run'}",
+        cwd=tmp_path,
+        timeout=120,
+        env={"PATH": str(empty)},
+    )  # python is called by its full path
     assert out.returncode == 2, out.stderr[-2000:]
     if os.geteuid() == 0:
         assert "needs the `ip` command (Debian: apt-get install iproute2)" in out.stderr, out.stderr[-2000:]
@@ -350,13 +405,16 @@ def test_without_root_validation_says_so(monkeypatch):
         validate(compose_cfg("topology=netns_2x4"))
 
 
-@pytest.mark.parametrize("override,key", [
-    ("topology.network.1.gbit_s=0", "topology.network[1].gbit_s=0"),
-    ("topology.network.1.delay_ms=-1", "topology.network[1].delay_ms=-1"),
-    ("topology.network.1.link=rank", "topology.network[1].link='rank'"),
-    ("comm.emulate=true", "comm.emulate=true"),
-    ("topology.emulation=vde", "topology.emulation='vde'"),
-])
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("topology.network.1.gbit_s=0", "topology.network[1].gbit_s=0"),
+        ("topology.network.1.delay_ms=-1", "topology.network[1].delay_ms=-1"),
+        ("topology.network.1.link=rank", "topology.network[1].link='rank'"),
+        ("comm.emulate=true", "comm.emulate=true"),
+        ("topology.emulation=vde", "topology.emulation='vde'"),
+    ],
+)
 def test_bad_link_settings_name_the_key(monkeypatch, override, key):
     monkeypatch.setattr(netns, "missing_tools", lambda name: None)  # the keys are checked first
     with pytest.raises(ConfigError) as e:
@@ -377,7 +435,10 @@ def test_the_cost_model_shares_a_node_link_among_the_flows_crossing_it():
     b = tier_bandwidth(network, MeshShape(1, 2, 4), procs_per_node=4)
     assert b == {"shard": 1e9, "replicate": 0.08e9 / 8 / 4, "federation": 0.08e9 / 8}  # F=1: no flows
     # without `link: node` a tier's bandwidth is per rank, as before (Leonardo's figures)
-    assert tier_bandwidth([{"ranks": 4, "gbit_s": 8}, {"ranks": 8, "gbit_s": 0.08}], MeshShape(1, 2, 4))["replicate"] == 1e7
+    assert (
+        tier_bandwidth([{"ranks": 4, "gbit_s": 8}, {"ranks": 8, "gbit_s": 0.08}], MeshShape(1, 2, 4))["replicate"]
+        == 1e7
+    )
 
 
 def test_the_gloo_variant_counts_what_gloo_sends():

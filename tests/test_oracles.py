@@ -1,9 +1,10 @@
 """The sharded algorithms against plain single-process PyTorch, fp32 on CPU, same global data."""
+
 import pytest
 import torch
+from conftest import Snapshot, compose_cfg, train_world
 from transformers import get_cosine_schedule_with_warmup
 
-from conftest import Snapshot, compose_cfg, read_rows, train_world
 from fldp.data import RankBatches, prepare
 from fldp.model import build_model, init_weights, llama_config
 from fldp.trainer import build_optimizer

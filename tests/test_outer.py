@@ -1,5 +1,6 @@
 """Outer optimisers (FedAvg, DiLoCo, FedAdam) against an independent single-process reference, the
 aggregation schedule, partial federation and the precision of the cross-group average."""
+
 import json
 import math
 import os
@@ -7,9 +8,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import Snapshot, compose_cfg, identical, read_rows, run_world, train_world
 
 from analysis.stats import TIE
-from conftest import Snapshot, compose_cfg, identical, read_rows, run_world, train_world
 from fldp.data import RankBatches, prepare
 from fldp.model import build_model, init_weights, llama_config
 
@@ -18,8 +19,12 @@ FL = ["algorithm=fl_fsdp", "topology=local_8", f"trainer.steps={STEPS}", f"algor
 OUTERS = {
     "fedavg": [],
     "diloco": ["algorithm.outer.lr=0.7", "algorithm.outer.momentum=0.9", "algorithm.outer.nesterov=true"],
-    "fedadam": ["algorithm.outer.name=adam", "algorithm.outer.lr=0.01", "algorithm.outer.betas=[0.9,0.99]",
-                "algorithm.outer.eps=1e-8"],
+    "fedadam": [
+        "algorithm.outer.name=adam",
+        "algorithm.outer.lr=0.01",
+        "algorithm.outer.betas=[0.9,0.99]",
+        "algorithm.outer.eps=1e-8",
+    ],
 }
 
 
@@ -34,8 +39,12 @@ def reference(cfg, outer: str) -> list[float]:
     for _ in range(GROUPS):
         model = build_model(llama_config(cfg.model, blocks.vocab_size))
         init_weights(model, torch.device("cpu"), cfg.seed)  # the run's init (tests/test_init.py)
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.lr, betas=tuple(cfg.optimizer.betas),
-                                weight_decay=cfg.optimizer.weight_decay)
+        opt = torch.optim.AdamW(
+            model.parameters(),
+            lr=cfg.optimizer.lr,
+            betas=tuple(cfg.optimizer.betas),
+            weight_decay=cfg.optimizer.weight_decay,
+        )
         from transformers import get_cosine_schedule_with_warmup
 
         groups.append(model)
@@ -51,7 +60,7 @@ def reference(cfg, outer: str) -> list[float]:
         batches = [next(it) for it in ranks]
         step_losses = []
         for g, (model, opt, sched) in enumerate(zip(groups, optimizers, schedulers)):
-            x = torch.cat(batches[g * 4:(g + 1) * 4])
+            x = torch.cat(batches[g * 4 : (g + 1) * 4])
             loss = model(input_ids=x, labels=x).loss
             loss.backward()
             opt.step()
@@ -73,11 +82,11 @@ def reference(cfg, outer: str) -> list[float]:
                     if outer == "diloco":  # SGD, momentum 0.9, Nesterov: m = mu m + d; step = d + mu m
                         m[n] = o.momentum * m[n] + delta
                         new = anchor[n] - o.lr * (delta + o.momentum * m[n])
-                    else:                  # Adam with bias correction
+                    else:  # Adam with bias correction
                         b1, b2 = o.betas
                         m[n] = b1 * m[n] + (1 - b1) * delta
                         v[n] = b2 * v[n] + (1 - b2) * delta * delta
-                        m_hat, v_hat = m[n] / (1 - b1 ** rounds), v[n] / (1 - b2 ** rounds)
+                        m_hat, v_hat = m[n] / (1 - b1**rounds), v[n] / (1 - b2**rounds)
                         new = anchor[n] - o.lr * m_hat / (v_hat.sqrt() + o.eps)
                 anchor[n] = new.clone()
                 for p in params:
@@ -109,16 +118,26 @@ def test_outer_optimisers_match_the_reference(outer_runs, outer):
 
 def test_fedavg_is_outer_sgd_lr1_bit_for_bit_and_diloco_departs_after_the_first_aggregation(outer_runs, tmp_path):
     fedavg = [r["loss"] for r in outer_runs["fedavg"][1]]
-    explicit = train_world(compose_cfg(*FL, "algorithm.outer.name=sgd", "algorithm.outer.lr=1.0",
-                                       "algorithm.outer.momentum=0.0"), tmp_path / "run")
+    explicit = train_world(
+        compose_cfg(*FL, "algorithm.outer.name=sgd", "algorithm.outer.lr=1.0", "algorithm.outer.momentum=0.0"),
+        tmp_path / "run",
+    )
     assert [r["loss"] for r in explicit] == fedavg
     diloco = [r["loss"] for r in outer_runs["diloco"][1]]
     assert diloco[:EVERY] == fedavg[:EVERY] and diloco[EVERY] != fedavg[EVERY]
 
 
-PARTIAL = ["algorithm=fl_fsdp", "topology=local_8", "trainer.steps=8", "algorithm.every=[[0,1],[2,3]]",
-           "algorithm.federate=[model\\.layers\\..*]", "trainer.eval_every=2", "trainer.eval_batches=null",
-           "dataset.eval_blocks=16", "optimizer.lr=3e-3"]  # the local parameters drift apart visibly
+PARTIAL = [
+    "algorithm=fl_fsdp",
+    "topology=local_8",
+    "trainer.steps=8",
+    "algorithm.every=[[0,1],[2,3]]",
+    "algorithm.federate=[model\\.layers\\..*]",
+    "trainer.eval_every=2",
+    "trainer.eval_batches=null",
+    "dataset.eval_blocks=16",
+    "optimizer.lr=3e-3",
+]  # the local parameters drift apart visibly
 
 
 @pytest.fixture(scope="module")
@@ -162,8 +181,8 @@ def test_a_schedule_counts_each_period_from_the_last_aggregation():
         config = FedAvgConfig(every=every)
         return [s for s in range(1, last + 1) if config.due(s, last)]
 
-    assert due([[0, 8], [12, 8]], 32) == [8, 16, 24, 32]      # as every=8 (a phase count: 8, 20, 28, 32)
-    assert due([[0, 8], [12, 16]], 40) == [8, 24, 40]         # (a phase count: 8, 28, 40)
+    assert due([[0, 8], [12, 8]], 32) == [8, 16, 24, 32]  # as every=8 (a phase count: 8, 20, 28, 32)
+    assert due([[0, 8], [12, 16]], 40) == [8, 24, 40]  # (a phase count: 8, 28, 40)
     assert due([[0, 1], [16, 8]], 32) == [*range(1, 17), 24, 32]
     assert due([[0, 16], [20, 4]], 30) == [16, 21, 25, 29, 30]  # A shrinks: 4 steps since 16 have passed at 21
     assert due(3, 10) == [3, 6, 9, 10] and due(5, 1) == [1]
@@ -266,8 +285,10 @@ def test_fedadam_with_its_defaults_stays_near_fedavg(tmp_path):
     common = ["algorithm=fl_fsdp", "topology=local_2", "trainer.steps=8", "algorithm.every=4"]
     fedavg = train_world(compose_cfg(*common), tmp_path / "fedavg")
     adam = train_world(compose_cfg(*common, "algorithm.outer.name=adam"), tmp_path / "adam")
-    pairs = [(a["loss"], b["loss"]) for a, b in zip(adam + read_rows(tmp_path / "adam", "eval"),
-                                                    fedavg + read_rows(tmp_path / "fedavg", "eval"))]
+    pairs = [
+        (a["loss"], b["loss"])
+        for a, b in zip(adam + read_rows(tmp_path / "adam", "eval"), fedavg + read_rows(tmp_path / "fedavg", "eval"))
+    ]
     assert len(pairs) == 9 and all(math.isfinite(a) and abs(a - b) <= TIE * max(a, b) for a, b in pairs), pairs
     outer = json.loads((tmp_path / "adam" / "summary.json").read_text())["outer"]
     assert (outer["name"], outer["lr"], outer["eps"]) == ("adam", 1e-3, 1e-3)

@@ -1,5 +1,6 @@
 """The verdict rules every study shares (analysis.stats: Holm, direction, size, seeds) against hand
 computations, and the paper-shape study's decisions (analysis.paper_shape) on made-up runs."""
+
 import math
 
 import pandas as pd
@@ -50,13 +51,25 @@ def test_judge_widens_intervals_for_the_family():
 
 
 def runs(rows):
-    return pd.DataFrame([{"loss": [1.0], "eval_loss": math.log(r[4]), **dict(zip(
-        ("phase", "algorithm", "seed", "lr", "eval_perplexity"), r))} for r in rows])
+    return pd.DataFrame(
+        [
+            {
+                "loss": [1.0],
+                "eval_loss": math.log(r[4]),
+                **dict(zip(("phase", "algorithm", "seed", "lr", "eval_perplexity"), r)),
+            }
+            for r in rows
+        ]
+    )
 
 
 def test_the_plans_lr_rule_extends_a_grid_edge_once():
-    rows = [("tune", a, s, lr, 100 * (1 + abs(math.log10(lr) + (1 if a == "fsdp" else 2))) + s)
-            for a in ("fsdp", "fl_fsdp", "fl_hsdp") for s in (100, 101) for lr in (1e-3, 3e-3, 1e-2, 3e-2, 1e-1)]
+    rows = [
+        ("tune", a, s, lr, 100 * (1 + abs(math.log10(lr) + (1 if a == "fsdp" else 2))) + s)
+        for a in ("fsdp", "fl_fsdp", "fl_hsdp")
+        for s in (100, 101)
+        for lr in (1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
+    ]
     chosen, extend = chosen_lrs(tuning(runs(rows)))
     assert chosen == {"fsdp": 0.1, "fl_fsdp": 1e-2, "fl_hsdp": 1e-2}
     assert extend == {"fsdp": pytest.approx(0.1 * math.sqrt(10))}  # FSDP's best is the grid's top
@@ -69,18 +82,36 @@ def test_decide_and_findings_on_made_up_runs():
     paper = paper_values.load(None)
     lrs = {"fsdp": 1e-2, "fl_fsdp": 3e-3, "fl_hsdp": 1e-2}
     ppl = {"fsdp": 500.0, "fl_fsdp": 520.0, "fl_hsdp": 480.0}
-    rows = [("tune", a, s, lr, ppl[a] * (1 if lr == lrs[a] else 1.2)) for a in lrs for s in (100, 101)
-            for lr in (1e-3, 3e-3, 1e-2, 3e-2)]
+    rows = [
+        ("tune", a, s, lr, ppl[a] * (1 if lr == lrs[a] else 1.2))
+        for a in lrs
+        for s in (100, 101)
+        for lr in (1e-3, 3e-3, 1e-2, 3e-2)
+    ]
     jitter = [1.0, 1.01, 0.99, 1.02, 0.98]
-    rows += [("pilot", a, 200 + i, lrs[a], ppl[a] * j * (1.01 if a == "fl_hsdp" else 1)) for a in lrs
-             for i, j in enumerate(jitter)]
+    rows += [
+        ("pilot", a, 200 + i, lrs[a], ppl[a] * j * (1.01 if a == "fl_hsdp" else 1))
+        for a in lrs
+        for i, j in enumerate(jitter)
+    ]
     df = runs(rows)
     lines = decide(df, None, paper)
     assert "lr_fsdp=0.01" in lines and "lr_fl_fsdp=0.003" in lines
     seeds = int([x for x in lines if x.startswith("seeds=")][0].split("=")[1])
     assert seeds >= 10
-    df = pd.concat([df, runs([("judge", a, s, lr, ppl[a] * jitter[s % 5] * (1 + 0.002 * (s % 3)))
-                              for a in lrs for s in range(12) for lr in {lrs[a], lrs["fsdp"]}])])
+    df = pd.concat(
+        [
+            df,
+            runs(
+                [
+                    ("judge", a, s, lr, ppl[a] * jitter[s % 5] * (1 + 0.002 * (s % 3)))
+                    for a in lrs
+                    for s in range(12)
+                    for lr in {lrs[a], lrs["fsdp"]}
+                ]
+            ),
+        ]
+    )
     f = findings(df, lrs, paper)
     assert list(f.columns[:9]) == ["claim", "setting", "ratio", "lo", "hi", "level", "paper", "direction", "size"]
     primary = f[f["setting"].str.contains("primary")].set_index("claim")
@@ -105,8 +136,12 @@ def test_rejudge_rederives_the_verdicts_from_runs_csv_at_the_simultaneous_level(
 
     ppl = {"fsdp": 500.0, "fl_fsdp": 560.0, "fl_hsdp": 480.0}
     jitter = [1.0, 1.03, 0.97, 1.02, 0.98]
-    rows = [("tune", a, s, lr, ppl[a] * (1 if lr == 1e-2 else 1.3)) for a in ppl for s in (100, 101)
-            for lr in (3e-3, 1e-2, 3e-2)]
+    rows = [
+        ("tune", a, s, lr, ppl[a] * (1 if lr == 1e-2 else 1.3))
+        for a in ppl
+        for s in (100, 101)
+        for lr in (3e-3, 1e-2, 3e-2)
+    ]
     rows += [("judge", a, s, 1e-2, ppl[a] * jitter[(s + len(a)) % 5]) for a in ppl for s in range(10)]
     runs(rows).drop(columns=["loss"]).to_csv(tmp_path / "runs.csv", index=False)
     (tmp_path / "report.md").write_text("# kept\n\n## Verdicts\n\nold table\n\n## The plan\n\n> old\n")

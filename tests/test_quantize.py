@@ -2,6 +2,7 @@
 from the definition (plain tensors, one process): blocks of `block` elements, scale absmax / qmax,
 round half to even (int) or torch's float8_e4m3fn cast, the groups' mean of the dequantised changes
 summed in fp32 and quantised again; error feedback carries what each group's quantisation lost."""
+
 from __future__ import annotations
 
 import math
@@ -9,8 +10,8 @@ import re
 
 import pytest
 import torch
-
 from conftest import Snapshot, compose_cfg, identical, read_rows, train_world
+
 from fldp.data import RankBatches, prepare
 from fldp.errors import ConfigError
 from fldp.model import build_model, init_weights, llama_config
@@ -92,12 +93,23 @@ def test_the_quantised_mean_follows_its_definition_with_and_without_error_feedba
 STEPS, EVERY = 7, 3
 CASES = {
     "int8-feedback": ["algorithm.outer.quantize=int8", "algorithm.outer.error_feedback=true"],
-    "int4-diloco": ["algorithm.outer.quantize=int4", "algorithm.outer.quantize_block=64", "algorithm.outer.lr=0.7",
-                    "algorithm.outer.momentum=0.9", "algorithm.outer.nesterov=true"],
+    "int4-diloco": [
+        "algorithm.outer.quantize=int4",
+        "algorithm.outer.quantize_block=64",
+        "algorithm.outer.lr=0.7",
+        "algorithm.outer.momentum=0.9",
+        "algorithm.outer.nesterov=true",
+    ],
     "fp8": ["algorithm.outer.quantize=fp8"],
 }
-FL2 = ["algorithm=fl_fsdp", "topology=local_2", "mesh.federation=2", "mesh.shard=1", f"trainer.steps={STEPS}",
-       f"algorithm.every={EVERY}"]
+FL2 = [
+    "algorithm=fl_fsdp",
+    "topology=local_2",
+    "mesh.federation=2",
+    "mesh.shard=1",
+    f"trainer.steps={STEPS}",
+    f"algorithm.every={EVERY}",
+]
 
 
 def reference_run(cfg) -> tuple[list[float], dict]:
@@ -118,8 +130,11 @@ def reference_run(cfg) -> tuple[list[float], dict]:
         schedulers.append(get_cosine_schedule_with_warmup(opt, int(cfg.optimizer.warmup * STEPS), STEPS))
     flat = lambda m: torch.cat([p.detach().reshape(-1) for p in m.parameters()]).float()  # noqa: E731
     base, momentum = flat(models[0]), None
-    residuals = [torch.zeros(2 * math.ceil(base.numel() / (2 * o.quantize_block)) * o.quantize_block)
-                 for _ in range(2)] if o.error_feedback else None
+    residuals = (
+        [torch.zeros(2 * math.ceil(base.numel() / (2 * o.quantize_block)) * o.quantize_block) for _ in range(2)]
+        if o.error_feedback
+        else None
+    )
     ranks = [RankBatches(blocks.train, cfg.trainer.batch_size, r, 2, cfg.seed).stream() for r in range(2)]
     losses = []
     for step in range(1, STEPS + 1):
@@ -159,16 +174,25 @@ def test_the_trainers_quantised_aggregation_matches_the_reference(tmp_path, case
     assert final.keys() == weights.keys()
     for name in final:
         torch.testing.assert_close(final[name], weights[name], rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
-    assert torch.equal(torch.cat([t.reshape(-1) for t in snap.load(1, 0, STEPS).values()]),
-                       torch.cat([t.reshape(-1) for t in final.values()]))  # both groups hold one model
+    assert torch.equal(
+        torch.cat([t.reshape(-1) for t in snap.load(1, 0, STEPS).values()]),
+        torch.cat([t.reshape(-1) for t in final.values()]),
+    )  # both groups hold one model
 
 
 def test_the_simulator_quantises_as_the_trainer_does(tmp_path):
     """cluster=simulate (quantized_mean in one process) against the trainer (its collectives), with
     error feedback and 2 fragments, each its own bucket: within fp32's order of additions."""
-    common = [*FL2, "trainer.steps=9", "algorithm.every=4", "algorithm.streaming.fragments=2",
-              "algorithm.outer.quantize=int8", "algorithm.outer.error_feedback=true", "trainer.eval_every=2",
-              "trainer.eval_batches=2"]
+    common = [
+        *FL2,
+        "trainer.steps=9",
+        "algorithm.every=4",
+        "algorithm.streaming.fragments=2",
+        "algorithm.outer.quantize=int8",
+        "algorithm.outer.error_feedback=true",
+        "trainer.eval_every=2",
+        "trainer.eval_batches=2",
+    ]
     trained = train_world(compose_cfg(*common), tmp_path / "trainer")
     from fldp import simulate
 
@@ -181,13 +205,16 @@ def test_the_simulator_quantises_as_the_trainer_does(tmp_path):
     assert [r["loss"] for r in evals[1]] == pytest.approx([r["loss"] for r in evals[0]], rel=1e-5)
 
 
-@pytest.mark.parametrize("overrides, named", [
-    (["algorithm.outer.quantize=int2"], "algorithm.outer.quantize"),
-    (["algorithm.outer.quantize=int8", "algorithm.outer.quantize_block=7"], "must be an even integer"),
-    (["algorithm.outer.quantize=int8", "algorithm.outer.reduce_dtype=bf16"], "set reduce_dtype to null"),
-    (["algorithm.outer.error_feedback=true"], "needs algorithm.outer.quantize"),
-    (["algorithm.outer.quantize=int8", "algorithm.elastic=true"], "a quantised one is not built yet"),
-])
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["algorithm.outer.quantize=int2"], "algorithm.outer.quantize"),
+        (["algorithm.outer.quantize=int8", "algorithm.outer.quantize_block=7"], "must be an even integer"),
+        (["algorithm.outer.quantize=int8", "algorithm.outer.reduce_dtype=bf16"], "set reduce_dtype to null"),
+        (["algorithm.outer.error_feedback=true"], "needs algorithm.outer.quantize"),
+        (["algorithm.outer.quantize=int8", "algorithm.elastic=true"], "a quantised one is not built yet"),
+    ],
+)
 def test_quantisation_refuses_what_it_cannot_do_before_any_worker_starts(overrides, named):
     with pytest.raises(ConfigError, match=re.escape(named)):
         precheck(["algorithm=fl_fsdp", "topology=local_4", *overrides], multirun=False)
@@ -197,15 +224,24 @@ def test_fl_hsdps_leader_broadcast_hands_the_replicas_what_every_replica_would_c
     """2x2x2, int4 with error feedback and FedAdam: leader_broadcast (replica 0 quantises, exchanges
     and steps, then broadcasts the new weights) equals all_replicas (every replica does it itself,
     each with its own residual and outer state) bit for bit: the replicas hold the same shards."""
-    common = ["algorithm=fl_hsdp", "topology=local_8", "trainer.steps=6", "algorithm.every=2",
-              "algorithm.outer.quantize=int4", "algorithm.outer.error_feedback=true", "algorithm.outer.name=adam",
-              "algorithm.outer.lr=0.01"]
+    common = [
+        "algorithm=fl_hsdp",
+        "topology=local_8",
+        "trainer.steps=6",
+        "algorithm.every=2",
+        "algorithm.outer.quantize=int4",
+        "algorithm.outer.error_feedback=true",
+        "algorithm.outer.name=adam",
+        "algorithm.outer.lr=0.01",
+    ]
     runs = {}
     for mode in ("leader_broadcast", "all_replicas"):
         cfg = compose_cfg(*common, f"algorithm.fedavg.mode={mode}")
         snap = Snapshot(tmp_path / mode, [6], cfg)
-        runs[mode] = ([r["loss"] for r in train_world(cfg, tmp_path / mode / "run", snap)],
-                      [snap.load(f, r, 6) for f in range(2) for r in range(2)])
+        runs[mode] = (
+            [r["loss"] for r in train_world(cfg, tmp_path / mode / "run", snap)],
+            [snap.load(f, r, 6) for f in range(2) for r in range(2)],
+        )
     (losses, weights), (losses_all, weights_all) = runs.values()
     assert losses == losses_all
     assert all(identical(a, b) for a, b in zip(weights, weights_all))

@@ -1,5 +1,6 @@
 """Checkpoint and resume, failures that end cleanly, inputs that cannot corrupt a run, disk faults and
 signals during a run."""
+
 import contextlib
 import gzip
 import json
@@ -14,17 +15,25 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import cli, compose_cfg, read_rows, run_world, train_world
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import ROOT, cli, compose_cfg, read_rows, run_world, train_world
 from fldp import checkpoint
 from fldp.checkpoint import group_bytes, latest, prune
 from fldp.launch import WorkerError
 from fldp.mesh import mesh_shape
 from fldp.model import build_model, llama_config
 
-RUN = ["algorithm=fl_hsdp", "topology=local_8", "trainer.steps=12", "algorithm.every=3",
-       "trainer.checkpoint_every=2", "wandb.mode=disabled", "trainer.progress=false", "trainer.eval_batches=1"]
+RUN = [
+    "algorithm=fl_hsdp",
+    "topology=local_8",
+    "trainer.steps=12",
+    "algorithm.every=3",
+    "trainer.checkpoint_every=2",
+    "wandb.mode=disabled",
+    "trainer.progress=false",
+    "trainer.eval_batches=1",
+]
 
 
 def final_params(run_dir: Path, tmp: Path) -> dict:
@@ -75,9 +84,13 @@ DILOCO = [*RUN, "algorithm.outer.lr=0.7", "algorithm.outer.momentum=0.9", "algor
 # state too (one run for both: CI's time; plain FedAvg's resume is the test above). The first
 # checkpoint, where the run is killed, comes after an aggregation (step 3 after step 2): before one,
 # momentum and residual are zeros, and a resume that lost them would still be exact
-DILOCO_INT4 = [*(o for o in DILOCO if not o.startswith(("algorithm.every=", "trainer.checkpoint_every="))),
-               "algorithm.every=2", "trainer.checkpoint_every=3", "algorithm.outer.quantize=int4",
-               "algorithm.outer.error_feedback=true"]
+DILOCO_INT4 = [
+    *(o for o in DILOCO if not o.startswith(("algorithm.every=", "trainer.checkpoint_every="))),
+    "algorithm.every=2",
+    "trainer.checkpoint_every=3",
+    "algorithm.outer.quantize=int4",
+    "algorithm.outer.error_feedback=true",
+]
 
 
 def test_kill_then_resume_keeps_the_outer_optimiser_state(tmp_path):
@@ -92,8 +105,13 @@ def test_kill_then_resume_keeps_the_outer_optimiser_state(tmp_path):
 
 def kill_and_resume(tmp_path, run, uninterrupted, victim):
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "fldp.train", *run, f"hydra.run.dir={run_dir}"],
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fldp.train", *run, f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 240
     while latest(run_dir) is None:  # wait for the first complete checkpoint
         assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint before the run ended"
@@ -154,8 +172,15 @@ def test_a_half_written_checkpoint_is_never_picked(tmp_path, uninterrupted):
 def test_resume_with_another_mesh_is_refused(tmp_path, uninterrupted):
     run_dir = tmp_path / "run"
     shutil.copytree(uninterrupted, run_dir)
-    out = cli(*RUN, "mesh.federation=4", "mesh.replicate=1", "trainer.resume=auto",
-              f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=60)
+    out = cli(
+        *RUN,
+        "mesh.federation=4",
+        "mesh.replicate=1",
+        "trainer.resume=auto",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+        timeout=60,
+    )
     assert out.returncode == 2
     assert "saved with mesh 2x2x2, this run has 4x1x2" in out.stderr
 
@@ -165,22 +190,45 @@ def test_resume_with_another_schedule_is_refused(tmp_path, uninterrupted):
     fragments; the same schedule spelled as a schedule resumes."""
     run_dir = tmp_path / "run"
     shutil.copytree(uninterrupted, run_dir)
-    out = cli(*RUN, "algorithm.every=[[0,3],[6,4]]", "trainer.resume=auto", f"hydra.run.dir={run_dir}",
-              cwd=tmp_path, timeout=60)
+    out = cli(
+        *RUN,
+        "algorithm.every=[[0,3],[6,4]]",
+        "trainer.resume=auto",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+        timeout=60,
+    )
     assert out.returncode == 2, out.stderr[-3000:]
     assert "saved with algorithm.every=[[0, 3]], this run has algorithm.every=[[0, 3], [6, 4]]" in out.stderr
-    fragments = cli(*RUN, "algorithm.streaming.fragments=3", "trainer.resume=auto", f"hydra.run.dir={run_dir}",
-                    cwd=tmp_path, timeout=60)  # other fragments: other outer state
+    fragments = cli(
+        *RUN,
+        "algorithm.streaming.fragments=3",
+        "trainer.resume=auto",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+        timeout=60,
+    )  # other fragments: other outer state
     assert fragments.returncode == 2, fragments.stderr[-3000:]
     assert "saved with algorithm.streaming.fragments=1, this run has 3" in fragments.stderr
     same = cli(*RUN, "algorithm.every=[[0,3]]", "trainer.resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert same.returncode == 0, same.stderr[-3000:]
 
 
-STREAMED = ["algorithm=fl_fsdp", "topology=local_2", "mesh.federation=2", "mesh.shard=1", "trainer.steps=8",
-            "algorithm.every=4", "algorithm.streaming.fragments=2", "algorithm.outer.lr=0.7",
-            "algorithm.outer.momentum=0.9", "trainer.checkpoint_every=4", "trainer.progress=false",
-            "trainer.eval_batches=1", "wandb.mode=offline"]
+STREAMED = [
+    "algorithm=fl_fsdp",
+    "topology=local_2",
+    "mesh.federation=2",
+    "mesh.shard=1",
+    "trainer.steps=8",
+    "algorithm.every=4",
+    "algorithm.streaming.fragments=2",
+    "algorithm.outer.lr=0.7",
+    "algorithm.outer.momentum=0.9",
+    "trainer.checkpoint_every=4",
+    "trainer.progress=false",
+    "trainer.eval_batches=1",
+    "wandb.mode=offline",
+]
 
 
 def fldp_train(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -200,12 +248,19 @@ def test_resume_that_changes_what_a_saved_bucket_holds_is_refused_and_loses_noth
     assert saved.name == "step_00000004"
     kept = {p: p.read_bytes() for p in sorted(saved.rglob("*")) if p.is_file()}
     for override, named in (
-            ("algorithm.streaming.layout=contiguous", "algorithm.streaming.layout=strided, this run has "
-                                                      "algorithm.streaming.layout=contiguous"),
-            ("algorithm.federate=[model\\.layers\\..*]", "algorithm.federate=['.*'], this run has "
-                                                           "algorithm.federate=['model\\\\.layers\\\\..*']"),
-            ("algorithm.fedavg.bucket_mb=0.01", "algorithm.fedavg.bucket_mb=25, this run has "
-                                                "algorithm.fedavg.bucket_mb=0.01")):
+        (
+            "algorithm.streaming.layout=contiguous",
+            "algorithm.streaming.layout=strided, this run has algorithm.streaming.layout=contiguous",
+        ),
+        (
+            "algorithm.federate=[model\\.layers\\..*]",
+            "algorithm.federate=['.*'], this run has algorithm.federate=['model\\\\.layers\\\\..*']",
+        ),
+        (
+            "algorithm.fedavg.bucket_mb=0.01",
+            "algorithm.fedavg.bucket_mb=25, this run has algorithm.fedavg.bucket_mb=0.01",
+        ),
+    ):
         out = fldp_train(*STREAMED, override, "trainer.resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path)
         assert out.returncode == 2, (override, out.stderr[-3000:])
         assert "fldp: config error" in out.stderr and named in out.stderr, out.stderr[-3000:]
@@ -217,9 +272,17 @@ def test_resume_that_changes_what_a_saved_bucket_holds_is_refused_and_loses_noth
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
-    out = cli("algorithm=fsdp", "optimizer.name=sgd", "optimizer.lr=1e38", "optimizer.warmup=0",
-              "trainer.steps=6", "trainer.checkpoint_every=1", "wandb.mode=disabled",
-              f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    out = cli(
+        "algorithm=fsdp",
+        "optimizer.name=sgd",
+        "optimizer.lr=1e38",
+        "optimizer.warmup=0",
+        "trainer.steps=6",
+        "trainer.checkpoint_every=1",
+        "wandb.mode=disabled",
+        f"hydra.run.dir={tmp_path}",
+        cwd=tmp_path,
+    )
     assert out.returncode == 1
     assert "non-finite loss" in out.stderr
     good = latest(tmp_path)
@@ -252,8 +315,13 @@ def test_existing_records_are_not_overwritten(tmp_path, uninterrupted):
 def test_empty_or_corrupt_corpus_is_named(tmp_path, corpus):
     bad = tmp_path / "train.jsonl.gz"
     bad.write_bytes(gzip.compress(b"") if corpus == "empty" else b"\x1f\x8b not really gzip")
-    out = cli(f"dataset.data_files.train={bad}", f"dataset.cache_dir={tmp_path}/cache",
-              f"hydra.run.dir={tmp_path}/run", cwd=tmp_path, timeout=60)
+    out = cli(
+        f"dataset.data_files.train={bad}",
+        f"dataset.cache_dir={tmp_path}/cache",
+        f"hydra.run.dir={tmp_path}/run",
+        cwd=tmp_path,
+        timeout=60,
+    )
     assert out.returncode == 2
     assert "dataset." in out.stderr and ("no full block" in out.stderr or str(bad) in out.stderr), out.stderr[-1500:]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
@@ -272,15 +340,28 @@ def test_keep_last_keeps_the_newest_complete_checkpoint_and_resume_still_works(t
     assert expected <= written < expected * 1.05, (written, expected)
 
 
-@pytest.mark.parametrize("outer", [[], ["algorithm.outer.momentum=0.9", "algorithm.outer.nesterov=true",
-                                         "algorithm.outer.lr=0.7"]], ids=["fedavg", "diloco"])
+@pytest.mark.parametrize(
+    "outer",
+    [[], ["algorithm.outer.momentum=0.9", "algorithm.outer.nesterov=true", "algorithm.outer.lr=0.7"]],
+    ids=["fedavg", "diloco"],
+)
 def test_the_dry_runs_checkpoint_size_counts_what_a_casting_reduce_keeps(tmp_path, outer):
     """bf16 weights summed in fp32: every replica keeps the weights of the last aggregation (the
     reference, bf16), which is also the outer optimiser's anchor on the replica that leads. The
     dry run's formula against the bytes DCP wrote for one federation group (2 replicas)."""
-    cfg = compose_cfg("algorithm=fl_hsdp", "topology=local_4", "trainer.steps=2", "algorithm.every=2",
-                      "trainer.precision=bf16", "algorithm.outer.reduce_dtype=fp32", "trainer.checkpoint_every=2",
-                      "wandb.mode=disabled", "trainer.progress=false", "trainer.eval_batches=1", *outer)
+    cfg = compose_cfg(
+        "algorithm=fl_hsdp",
+        "topology=local_4",
+        "trainer.steps=2",
+        "algorithm.every=2",
+        "trainer.precision=bf16",
+        "algorithm.outer.reduce_dtype=fp32",
+        "trainer.checkpoint_every=2",
+        "wandb.mode=disabled",
+        "trainer.progress=false",
+        "trainer.eval_batches=1",
+        *outer,
+    )
     assert (mesh_shape(cfg).federation, mesh_shape(cfg).replicate, mesh_shape(cfg).shard) == (2, 2, 1)
     train_world(cfg, tmp_path / "run")
     model = build_model(llama_config(cfg.model, 4096), "meta")
@@ -303,8 +384,11 @@ def test_prune_keeps_the_newest_complete_and_every_incomplete_checkpoint(tmp_pat
         if done:
             (path / "COMPLETE").write_text(str(step))
     assert [p.name for p in prune(tmp_path, 2)] == ["step_00000002"]
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000004", "step_00000006",
-                                                                          "step_00000008"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "step_00000004",
+        "step_00000006",
+        "step_00000008",
+    ]
     assert prune(tmp_path, 1) == [tmp_path / "checkpoints" / "step_00000004"]
     assert latest(tmp_path).name == "step_00000006"
 
@@ -331,8 +415,9 @@ def synced_run(tmp_path_factory):
             f.write(json.dumps({"inode": os.fstat(fd).st_ino, "complete": done}) + "\n")
         return real(fd)
 
-    cfg = compose_cfg("algorithm=fl_fsdp", "topology=local_2", "trainer.steps=2", "trainer.checkpoint_every=1",
-                      "trainer.keep_last=1")
+    cfg = compose_cfg(
+        "algorithm=fl_fsdp", "topology=local_2", "trainer.steps=2", "trainer.checkpoint_every=1", "trainer.keep_last=1"
+    )
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(os, "fsync", spy)  # the forked ranks inherit it
         train_world(cfg, run_dir)
@@ -393,10 +478,21 @@ def test_with_an_all_reduce_in_flight_a_checkpoint_waits_for_its_merge_and_resum
     falls on step 3, while fragment 1 is in flight, and is written after step 4, its merge; the
     time-limit warning after step 5 (fragment 0 in flight) stops the run after step 6. Resumed from
     there, the run equals an uninterrupted one bit for bit (losses, weights, AdamW and outer state)."""
-    run = ["algorithm=fl_fsdp", "topology=local_2", "trainer.steps=12", "algorithm.every=4",
-           "algorithm.outer.lr=0.7", "algorithm.outer.momentum=0.9", "algorithm.streaming.fragments=2",
-           "algorithm.streaming.overlap=1", "algorithm.streaming.alpha=0.5", "trainer.checkpoint_every=3",
-           "wandb.mode=disabled", "trainer.progress=false", "trainer.eval_batches=1"]
+    run = [
+        "algorithm=fl_fsdp",
+        "topology=local_2",
+        "trainer.steps=12",
+        "algorithm.every=4",
+        "algorithm.outer.lr=0.7",
+        "algorithm.outer.momentum=0.9",
+        "algorithm.streaming.fragments=2",
+        "algorithm.streaming.overlap=1",
+        "algorithm.streaming.alpha=0.5",
+        "trainer.checkpoint_every=3",
+        "wandb.mode=disabled",
+        "trainer.progress=false",
+        "trainer.eval_batches=1",
+    ]
     uninterrupted = tmp_path / "uninterrupted"
     train_world(compose_cfg(*run), uninterrupted)
     run_dir = tmp_path / "run"
@@ -408,8 +504,16 @@ def test_with_an_all_reduce_in_flight_a_checkpoint_waits_for_its_merge_and_resum
 
 # --- Faults during a run: a disk that fills or turns read-only, SIGTERM and Ctrl-C to the launcher.
 # A short run: 2 ranks, 2 federation groups (each saves its own DCP checkpoint), checkpoints at 4, 8, 12, 16.
-SHORT = ["algorithm=fl_fsdp", "topology=local_2", "trainer.steps=16", "algorithm.every=4",
-         "trainer.checkpoint_every=4", "wandb.mode=disabled", "trainer.progress=false", "trainer.eval_batches=1"]
+SHORT = [
+    "algorithm=fl_fsdp",
+    "topology=local_2",
+    "trainer.steps=16",
+    "algorithm.every=4",
+    "trainer.checkpoint_every=4",
+    "wandb.mode=disabled",
+    "trainer.progress=false",
+    "trainer.eval_batches=1",
+]
 PAGE = 4096  # tmpfs allocates whole pages
 
 
@@ -445,8 +549,14 @@ def remount(path: Path, options: str) -> bool:
 def start(run_dir: Path, cwd: Path) -> subprocess.Popen:
     """The launcher as a user starts it, in a process group of its own (as a terminal's job), which
     its workers join: Ctrl-C is SIGINT to that group; after the run nothing of the group may live."""
-    return subprocess.Popen([sys.executable, "-m", "fldp.train", *SHORT, f"hydra.run.dir={run_dir}"], cwd=cwd,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "fldp.train", *SHORT, f"hydra.run.dir={run_dir}"],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def wait_for(proc: subprocess.Popen, ready, what: str, limit_s: float = 120) -> None:
@@ -511,8 +621,9 @@ def test_a_disk_full_during_a_checkpoint_stops_the_run_naming_it_and_resume_is_e
     with tmpfs(tmp_path / "run", size * 3 // 2 + 2**20) as run_dir:
         out = cli(*SHORT, f"hydra.run.dir={run_dir}", cwd=tmp_path)
         assert out.returncode == 1, out.stderr[-3000:]
-        assert_one_clear_line(out.stderr, f"cannot write checkpoint {run_dir}/checkpoints/step_00000008: "
-                                          f"No space left on device")
+        assert_one_clear_line(
+            out.stderr, f"cannot write checkpoint {run_dir}/checkpoints/step_00000008: No space left on device"
+        )
         assert f"continue from {run_dir}/checkpoints/step_00000004 (step 4) with trainer.resume=auto" in out.stderr
         assert latest(run_dir).name == "step_00000004"
         assert_nothing_half_done(run_dir)  # the partial step_00000008 was deleted
@@ -529,8 +640,9 @@ def test_a_disk_full_while_writing_metrics_leaves_no_torn_line_and_resume_is_exa
     size = checkpoint_bytes(short_uninterrupted)
     run_dir = tmp_path / "run"
     with tmpfs(run_dir, PAGE), tmpfs(run_dir / "checkpoints", size * 5):
-        out = cli(*SHORT, f"hydra.run.dir={run_dir}", "hydra.output_subdir=null", "hydra/job_logging=none",
-                  cwd=tmp_path)
+        out = cli(
+            *SHORT, f"hydra.run.dir={run_dir}", "hydra.output_subdir=null", "hydra/job_logging=none", cwd=tmp_path
+        )
         assert out.returncode == 1, out.stderr[-3000:]
         assert_one_clear_line(out.stderr, f"cannot write {run_dir}/metrics.jsonl: No space left on device")
         assert_nothing_half_done(run_dir)
@@ -594,7 +706,9 @@ def test_sigterm_or_ctrl_c_stops_every_worker_and_resume_is_exact(tmp_path, shor
             time.sleep(0.02)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 128 + getattr(signal, name), stderr[-3000:]
-    assert_one_clear_line(stderr, f"interrupted by {name}: the workers were stopped; continue from {run_dir}/checkpoints/")
+    assert_one_clear_line(
+        stderr, f"interrupted by {name}: the workers were stopped; continue from {run_dir}/checkpoints/"
+    )
     assert not survivors(proc.pid), "workers outlived their launcher"
     assert not [w for w in workers if os.path.exists(f"/proc/{w}") and _state(w) != "Z"]
     assert_nothing_half_done(run_dir)

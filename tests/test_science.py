@@ -1,18 +1,29 @@
 """The tiny study (issue 12): the paper-shaped topology, the statistics against published t-table
 values and hand computation, and analysis/science.py on synthetic records whose verdicts are known
 by construction. (The study's real runs: experiments/science.sh, run reduced in CI.)"""
+
 import math
 import statistics
 
 import pandas as pd
 import pytest
+from conftest import ROOT, compose_cfg
 
 from analysis import paper
 from analysis.records import make_run
 from analysis.science import RUN_COLUMNS, Study, batch_control, best_lrs, by_lr, drift, findings, frontier, report
-from analysis.stats import (TOO_FEW, Claim, direction, explore, holm_levels, judge, mean_interval, paired_ratio,
-                            size, t_quantile)
-from conftest import ROOT, compose_cfg
+from analysis.stats import (
+    TOO_FEW,
+    Claim,
+    direction,
+    explore,
+    holm_levels,
+    judge,
+    mean_interval,
+    paired_ratio,
+    size,
+    t_quantile,
+)
 from fldp.records import ANALYSED_FIELDS
 
 ALGOS = ("fsdp", "hsdp", "fl_fsdp", "fl_hsdp")
@@ -26,8 +37,10 @@ def meshes(*overrides):
     return out
 
 
-@pytest.mark.parametrize("overrides", [("topology=local_4x2",), ("topology=netns_4x2",), ("+experiment=tiny_repro",),
-                                       ("+experiment=science",)])
+@pytest.mark.parametrize(
+    "overrides",
+    [("topology=local_4x2",), ("topology=netns_4x2",), ("+experiment=tiny_repro",), ("+experiment=science",)],
+)
 def test_paper_shaped_topology(overrides):
     """The paper's relations (512 GPUs: FSDP 1x1x512, HSDP 1x128x4, FL+FSDP 128x1x4, FL+HSDP 16x8x4)
     at 8 ranks: FL+FSDP's F > FL+HSDP's F > 1, HSDP's R = FL+FSDP's F, one S for HSDP and both FL,
@@ -54,7 +67,10 @@ def test_paired_ratio_from_the_definition():
     r = paired_ratio(a, b)
     half = 2.776 * statistics.stdev(d) / math.sqrt(5)
     assert r.ratio == pytest.approx(math.exp(statistics.mean(d)))
-    assert (r.low, r.high) == (pytest.approx(math.exp(0.08 - half), rel=1e-4), pytest.approx(math.exp(0.08 + half), rel=1e-4))
+    assert (r.low, r.high) == (
+        pytest.approx(math.exp(0.08 - half), rel=1e-4),
+        pytest.approx(math.exp(0.08 + half), rel=1e-4),
+    )
     assert r.verdict == "inconclusive"  # 0.08 +- 0.12: the interval holds 1 and reaches far beyond the band
     assert paired_ratio(b * 2, b).verdict == ">" and paired_ratio(b, b * 2).verdict == "<"
     assert paired_ratio(b.iloc[:1], b.iloc[:1]).verdict == "n/a"
@@ -74,17 +90,57 @@ def test_paired_ratio_from_the_definition():
     assert (m, hi - m) == (2.0, pytest.approx(4.303 * 1.0 / math.sqrt(3), rel=1e-4))
 
 
-def _run(algo, seed, ppl, *, precision="fp32", lr=1e-2, every=8, steps=8, mesh=None, network="loopback",
-         time_s=1.0, reduce_dtype=None, loss_shift=0.0):
+def _run(
+    algo,
+    seed,
+    ppl,
+    *,
+    precision="fp32",
+    lr=1e-2,
+    every=8,
+    steps=8,
+    mesh=None,
+    network="loopback",
+    time_s=1.0,
+    reduce_dtype=None,
+    loss_shift=0.0,
+):
     F, R, S = mesh or {"fsdp": (1, 1, 8), "hsdp": (1, 4, 2), "fl_fsdp": (4, 1, 2), "fl_hsdp": (2, 2, 2)}[algo]
-    rows = [{"step": i, "loss": 5.0 - 0.01 * i + loss_shift, "perplexity": 100.0, **{f: 0.0 for f in ANALYSED_FIELDS
-            if f.startswith("time_")}, "time_step": time_s / steps, "aggregated": False} for i in range(1, steps + 1)]
-    summary = {"algorithm": algo, "seed": seed, "steps": steps, "federation": F, "replicate": R, "shard": S,
-               "world_size": F * R * S, "batch_size": 2, "precision": precision, "every": every if F > 1 else None,
-               "outer": {"reduce_dtype": reduce_dtype} if F > 1 else None, "network": network,
-               "eval_perplexity": ppl, "eval_time_s": 0.1, "train_time_s": time_s, "train_perplexity": ppl}
-    return make_run(f"{algo}-{seed}-{precision}-{lr}-{steps}-{F}x{R}x{S}-{every}-{network}", summary, rows,
-                    {"optimizer": {"lr": lr}, "trainer": {"steps": steps}})
+    rows = [
+        {
+            "step": i,
+            "loss": 5.0 - 0.01 * i + loss_shift,
+            "perplexity": 100.0,
+            **{f: 0.0 for f in ANALYSED_FIELDS if f.startswith("time_")},
+            "time_step": time_s / steps,
+            "aggregated": False,
+        }
+        for i in range(1, steps + 1)
+    ]
+    summary = {
+        "algorithm": algo,
+        "seed": seed,
+        "steps": steps,
+        "federation": F,
+        "replicate": R,
+        "shard": S,
+        "world_size": F * R * S,
+        "batch_size": 2,
+        "precision": precision,
+        "every": every if F > 1 else None,
+        "outer": {"reduce_dtype": reduce_dtype} if F > 1 else None,
+        "network": network,
+        "eval_perplexity": ppl,
+        "eval_time_s": 0.1,
+        "train_time_s": time_s,
+        "train_perplexity": ppl,
+    }
+    return make_run(
+        f"{algo}-{seed}-{precision}-{lr}-{steps}-{F}x{R}x{S}-{every}-{network}",
+        summary,
+        rows,
+        {"optimizer": {"lr": lr}, "trainer": {"steps": steps}},
+    )
 
 
 def synthetic():
@@ -96,11 +152,18 @@ def synthetic():
         base = {"fsdp": 500.0, "hsdp": 500.0, "fl_fsdp": 500.0 * (1 + 0.02 * (-1) ** s), "fl_hsdp": 300.0}
         for algo, ppl in base.items():
             runs.append(_run(algo, s, ppl * noise, network="netns", time_s={"fsdp": 40, "hsdp": 20}.get(algo, 10)))
-            runs.append(_run(algo, s, ppl * noise * (1.1 + 0.01 * s if algo == "hsdp" else 1.0), precision="bf16",
-                             loss_shift=0.05 if algo == "hsdp" else 0.0))
+            runs.append(
+                _run(
+                    algo,
+                    s,
+                    ppl * noise * (1.1 + 0.01 * s if algo == "hsdp" else 1.0),
+                    precision="bf16",
+                    loss_shift=0.05 if algo == "hsdp" else 0.0,
+                )
+            )
             runs.append(_run(algo, s, ppl * noise * (0.8 if algo == "fl_fsdp" else 1.2), lr=3e-3))
-        runs.append(_run("fsdp", s, 400.0 * noise, mesh=(1, 1, 2)))              # batch-matched, FL+FSDP's group
-        runs.append(_run("fsdp", s, 350.0 * noise, mesh=(1, 1, 2), steps=32))    # token-matched (F = 4)
+        runs.append(_run("fsdp", s, 400.0 * noise, mesh=(1, 1, 2)))  # batch-matched, FL+FSDP's group
+        runs.append(_run("fsdp", s, 350.0 * noise, mesh=(1, 1, 2), steps=32))  # token-matched (F = 4)
         runs.append(_run("fl_fsdp", s, 450.0 * noise, every=1, network="netns", time_s=30))
     return runs
 
@@ -114,8 +177,14 @@ def test_holm_and_the_plain_level():
     alone = explore([marginal]).iloc[0]
     assert alone["level"] == 0.95 and alone["direction"] == "reproduced"
     # 4 claims: marginal ranks 2nd of 4, judged at alpha / 3: its interval then reaches into the band
-    family = judge([strong, marginal, Claim("null1", b * [1.1, 0.9, 1.0, 1.05, 0.95], b, 2.0),
-                    Claim("null2", b * [0.9, 1.1, 1.0, 0.95, 1.05], b, 2.0)]).set_index("claim")
+    family = judge(
+        [
+            strong,
+            marginal,
+            Claim("null1", b * [1.1, 0.9, 1.0, 1.05, 0.95], b, 2.0),
+            Claim("null2", b * [0.9, 1.1, 1.0, 0.95, 1.05], b, 2.0),
+        ]
+    ).set_index("claim")
     assert family.loc["marginal", "direction_level"] == pytest.approx(1 - 0.05 / 3)
     assert family.loc["marginal", "level"] == pytest.approx(1 - 0.05 / 4)  # shown: Bonferroni, simultaneous
     assert family.loc["marginal", "direction"] == "inconclusive"
@@ -138,8 +207,9 @@ def test_verdicts_on_synthetic_records():
     assert (primary["level"] > 0.95).all() and (found.loc[found["family"] == "exploratory", "level"] == 0.95).all()
     d = primary["direction"]
     assert d["FL+HSDP reaches a lower eval perplexity than HSDP"] == "reproduced"
-    assert primary.loc["FL+HSDP reaches a lower eval perplexity than HSDP", "size"] == \
-        "effect size refuted at this scale"
+    assert (
+        primary.loc["FL+HSDP reaches a lower eval perplexity than HSDP", "size"] == "effect size refuted at this scale"
+    )
     # FL+FSDP / FSDP: 1 +- 2% by seed, an interval from 0.96 to 1.03 ...
     assert d["FL+FSDP reaches a lower eval perplexity than FSDP"] == "inconclusive"
     # ... HSDP = FSDP exactly: [1, 1]
@@ -148,8 +218,10 @@ def test_verdicts_on_synthetic_records():
     assert v["HSDP ends with a higher eval perplexity than FSDP", "bf16, shared lr 0.01"] == "reproduced"
     # at each one's best lr FL+FSDP (best 3e-3: 0.8x) now beats FSDP (best 1e-2): exploratory only
     assert best_lrs(st) == {"fsdp": 1e-2, "hsdp": 1e-2, "fl_fsdp": 3e-3, "fl_hsdp": 1e-2}
-    assert v["FL+FSDP reaches a lower eval perplexity than FSDP", "fp32, each one's best lr (picked on these seeds)"] \
+    assert (
+        v["FL+FSDP reaches a lower eval perplexity than FSDP", "fp32, each one's best lr (picked on these seeds)"]
         == "reproduced"
+    )
     timing = found[found["setting"].str.contains("netns")]
     assert list(timing["direction"]) == ["reproduced", "reproduced", "tie"]
     assert set(timing["family"]) == {"exploratory"} and timing["runs [CI]"].iloc[0].startswith("4.000")
@@ -161,8 +233,13 @@ def test_verdicts_on_synthetic_records():
     assert list(fl_fsdp) == ["inconclusive (interval spans the tie band)", "control lower", "control lower"]
     fr, network = frontier(st)
     assert network == "netns"
-    assert set(zip(fr["algorithm"], fr["A"])) == {("FSDP", "-"), ("HSDP", "-"), ("FL+FSDP", 1), ("FL+FSDP", 8),
-                                                  ("FL+HSDP", 8)}
+    assert set(zip(fr["algorithm"], fr["A"])) == {
+        ("FSDP", "-"),
+        ("HSDP", "-"),
+        ("FL+FSDP", 1),
+        ("FL+FSDP", 8),
+        ("FL+HSDP", 8),
+    }
     # relative to FSDP in the same seed: 450 / 500 for every seed, however much the seeds differ
     assert fr.set_index(["algorithm", "A"]).loc[("FL+FSDP", 1), "/ FSDP"] == pytest.approx(0.9)
 
@@ -197,17 +274,26 @@ def test_too_few_seeds_give_no_verdict(tmp_path):
 def test_report_writes_every_part(tmp_path):
     path = report(Study(synthetic()), paper.load(), tmp_path, "test", 60.0)
     text = path.read_text()
-    for heading in ("## The primary family", "## What holds at which learning rate (exploratory)",
-                    "## Exploratory comparisons", "## Precision", "## Batch-matched control", "## Learning rate",
-                    "## Perplexity against time: A at each algorithm's F (exploratory)", "## Limitations"):
+    for heading in (
+        "## The primary family",
+        "## What holds at which learning rate (exploratory)",
+        "## Exploratory comparisons",
+        "## Precision",
+        "## Batch-matched control",
+        "## Learning rate",
+        "## Perplexity against time: A at each algorithm's F (exploratory)",
+        "## Limitations",
+    ):
         assert heading in text
     assert "picked on the same seeds" in text
     assert (tmp_path / "frontier.png").stat().st_size > 0 and (tmp_path / "drift.png").exists()
     assert "1.0 min" in text
     # per-run numbers: one row per run, the columns the verdicts are computed from
     runs = pd.read_csv(tmp_path / "runs.csv", keep_default_na=False)
-    assert len(runs) == len(synthetic()) and list(runs.columns[:len(RUN_COLUMNS)]) == RUN_COLUMNS
-    assert list(runs["eval_loss"].astype(float).map(math.exp)) == pytest.approx(list(runs["eval_perplexity"].astype(float)))
+    assert len(runs) == len(synthetic()) and list(runs.columns[: len(RUN_COLUMNS)]) == RUN_COLUMNS
+    assert list(runs["eval_loss"].astype(float).map(math.exp)) == pytest.approx(
+        list(runs["eval_perplexity"].astype(float))
+    )
     # the frontier varies A at each algorithm's F and judges nothing
     frontier_md = text.split("## Perplexity against time")[1].split("## Limitations")[0]
     assert not any(w in frontier_md for w in ("reproduced", "opposite", "verdict", "trades"))
@@ -235,6 +321,6 @@ def test_the_frontier_figure_draws_every_point_and_label_apart():
     for ax in fig.axes:
         boxes = [t.get_window_extent(renderer) for t in ax.texts]
         assert len(boxes) == 5
-        assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:]), ax.get_title()
+        assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1 :]), ax.get_title()
         baselines = {line.get_label(): line for line in ax.lines if line.get_label() in ("FSDP", "HSDP")}
         assert set(baselines) == {"FSDP", "HSDP"} and all(line.get_zorder() > 2 for line in baselines.values())

@@ -1,19 +1,26 @@
 """cluster=simulate (fldp/simulate.py) computes what the distributed trainer computes: the same losses
 step by step and the same final evaluation, for every algorithm, from one process."""
+
 import json
 import re
 
 import pytest
 import torch
-
 from conftest import cli, compose_cfg, read_rows, train_world
+
 from fldp.data import RankBatches, WorldBatches, prepare
 from fldp.simulate import Simulation
 
 # enough steps for 2 aggregations, a learning rate at which the loss moves (3e-4 barely leaves the
 # initial loss in 8 tiny steps), and more than one held-out batch per rank
-COMMON = ["topology=local_8", "trainer.steps=8", "algorithm.every=4", "optimizer.lr=1e-2",
-          "trainer.eval_batches=2", "trainer.precision=fp32"]
+COMMON = [
+    "topology=local_8",
+    "trainer.steps=8",
+    "algorithm.every=4",
+    "optimizer.lr=1e-2",
+    "trainer.eval_batches=2",
+    "trainer.precision=fp32",
+]
 ALGORITHMS = {
     "fsdp": ["algorithm=fsdp"],
     "hsdp": ["algorithm=hsdp"],
@@ -23,8 +30,12 @@ ALGORITHMS = {
     "diloco_hsdp": ["algorithm=diloco_hsdp"],
     "fedadam_fsdp": ["algorithm=fl_fsdp", "algorithm.outer.name=adam"],
     # partial federation (the groups end as different models) on a schedule, evaluated mid-run
-    "partial_schedule": ["algorithm=fl_fsdp", "algorithm.federate=[model\\.layers\\..*]", "algorithm.every=[[0,2],[6,4]]",
-                         "trainer.eval_every=3"],
+    "partial_schedule": [
+        "algorithm=fl_fsdp",
+        "algorithm.federate=[model\\.layers\\..*]",
+        "algorithm.every=[[0,2],[6,4]]",
+        "trainer.eval_every=3",
+    ],
 }
 TOLERANCE = 1e-5
 
@@ -54,8 +65,7 @@ def test_simulator_agrees_with_the_distributed_trainer(name, tmp_path):
     cfg = compose_cfg(*ALGORITHMS[name], *COMMON)
     trained = [r["loss"] for r in train_world(cfg, tmp_path / "trainer")]
     trained_eval = json.loads((tmp_path / "trainer" / "summary.json").read_text())["eval_loss"]
-    simulated, simulated_eval = simulate(compose_cfg(*ALGORITHMS[name], *COMMON, "cluster=simulate"),
-                                         tmp_path / "sim")
+    simulated, simulated_eval = simulate(compose_cfg(*ALGORITHMS[name], *COMMON, "cluster=simulate"), tmp_path / "sim")
     assert len(simulated) == len(trained) == 8
     assert trained[-1] < trained[0] - 0.2  # it learnt something: the comparison is not of flat lines
     worst = max(abs(a - b) for a, b in zip(simulated, trained))
@@ -78,8 +88,9 @@ def test_hsdp_is_fsdp_in_the_simulator(tmp_path):
 def test_the_paper_shape_runs_from_the_command_line(tmp_path):
     """+experiment=paper_shape is the paper's 512-rank layouts in one process (2 steps here)."""
     # the experiment's own eval_blocks: the token cache it makes is the one CI's paper-shape study reads
-    out = cli("+experiment=paper_shape", "algorithm=fl_fsdp", "trainer.steps=2", f"hydra.run.dir={tmp_path}",
-              cwd=tmp_path)
+    out = cli(
+        "+experiment=paper_shape", "algorithm=fl_fsdp", "trainer.steps=2", f"hydra.run.dir={tmp_path}", cwd=tmp_path
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert (summary["federation"], summary["replicate"], summary["shard"], summary["world_size"]) == (128, 1, 4, 512)
@@ -88,11 +99,14 @@ def test_the_paper_shape_runs_from_the_command_line(tmp_path):
     assert summary["tokens"] == 2 * 512 * 2 * 16
 
 
-@pytest.mark.parametrize("override, words", [
-    ("trainer.checkpoint_every=4", "keeps no checkpoints"),
-    ("comm.emulate=true", "nothing to emulate"),
-    ("algorithm.outer.reduce_dtype=bf16", "reduces in the parameters' dtype"),
-])
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("trainer.checkpoint_every=4", "keeps no checkpoints"),
+        ("comm.emulate=true", "nothing to emulate"),
+        ("algorithm.outer.reduce_dtype=bf16", "reduces in the parameters' dtype"),
+    ],
+)
 def test_what_the_simulator_cannot_do_is_refused(override, words, tmp_path):
     out = cli("cluster=simulate", override, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert out.returncode == 2 and words in out.stderr, out.stderr[-2000:]
@@ -102,6 +116,7 @@ def test_what_the_simulator_cannot_do_is_refused(override, words, tmp_path):
 class CudaLabelledCpu(str):
     """A device that says it is CUDA (`.type`) while torch, reading the string, puts the tensors on
     the CPU: the timing path takes it for a GPU, the arithmetic runs here."""
+
     type = "cuda"
 
 
@@ -110,8 +125,14 @@ def test_on_cuda_the_simulators_phase_times_are_taken_after_a_synchronise(tmp_pa
     after torch.cuda.synchronize(), at every phase boundary, as the trainer's PhaseTimer does."""
     events = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: events.append("sync"))
-    cfg = compose_cfg("algorithm=fl_fsdp", "topology=local_2", "trainer.steps=2", "algorithm.every=2",
-                      "trainer.eval_batches=1", "cluster=simulate")
+    cfg = compose_cfg(
+        "algorithm=fl_fsdp",
+        "topology=local_2",
+        "trainer.steps=2",
+        "algorithm.every=2",
+        "trainer.eval_batches=1",
+        "cluster=simulate",
+    )
     sim = Simulation(cfg, prepare(cfg.dataset), torch.device("cpu"))
     sim.device = CudaLabelledCpu("cpu")
     for name in ("losses", "exchange"):  # the forward pass and the aggregation, as they run
@@ -130,4 +151,5 @@ def _marked(call, name: str, events: list):
     def marked(*args, **kwargs):
         events.append(name)
         return call(*args, **kwargs)
+
     return marked

@@ -9,6 +9,7 @@ requeues and ends as an uninterrupted run, all points are submitted before any i
 failing point is reported with its cause while the others finish; a rank that raises or a
 cancelled job is reported as failed, with its error, in bounded time; the leonardo cluster's dry
 run renders the paper's 128-node, 512-task jobs; without SLURM a SLURM run fails at once."""
+
 from __future__ import annotations
 
 import json
@@ -22,9 +23,9 @@ from pathlib import Path
 
 import cloudpickle
 import pytest
+from conftest import QUICK, ROOT, cli, compose_cfg, read_rows, train_world
 from omegaconf import OmegaConf
 
-from conftest import QUICK, ROOT, cli, compose_cfg, read_rows, train_world
 from fldp import launch, slurm
 from fldp.launch import WorkerError
 from fldp.mesh import ConfigError, mesh_shape
@@ -41,7 +42,8 @@ SLURM_UP = _slurm_up()
 if os.environ.get("FLDP_REQUIRE_SLURM") == "1" and not SLURM_UP:
     raise RuntimeError("FLDP_REQUIRE_SLURM=1 but no SLURM answers here: slurm/test-cluster.sh start")
 needs_slurm = pytest.mark.skipif(
-    not SLURM_UP, reason="no SLURM here: start the single-host test cluster with `slurm/test-cluster.sh start` (root)")
+    not SLURM_UP, reason="no SLURM here: start the single-host test cluster with `slurm/test-cluster.sh start` (root)"
+)
 
 # The same tiny FL+HSDP run everywhere: 2x2x2 mesh, 4 steps, FedAvg every 2.
 RUN = ["algorithm=fl_hsdp", "trainer.steps=4", "algorithm.every=2", *QUICK]
@@ -58,8 +60,9 @@ def same_records(a: Path, b: Path) -> None:
         ra, rb = read_rows(a, split), read_rows(b, split)
         assert len(ra) == len(rb) > 0
         for x, y in zip(ra, rb):
-            assert {k: v for k, v in x.items() if not k.startswith(("time_", "critical_"))} == \
-                   {k: v for k, v in y.items() if not k.startswith(("time_", "critical_"))}
+            assert {k: v for k, v in x.items() if not k.startswith(("time_", "critical_"))} == {
+                k: v for k, v in y.items() if not k.startswith(("time_", "critical_"))
+            }
 
 
 def final_state(job, timeout_s: float = 60) -> str:
@@ -77,8 +80,9 @@ def cancel_jobs_from(directory: Path) -> None:
         return
     # %A: the array's job id for an array task (pending tasks print as "7_[3-5%3]", which scancel refuses)
     out = subprocess.run(["squeue", "-h", "-t", "PD,R,CG,S", "-o", "%A %Z"], capture_output=True, text=True).stdout
-    ids = {line.split()[0] for line in out.splitlines() if line.split()[1:] and
-           line.split()[1].startswith(str(directory))}
+    ids = {
+        line.split()[0] for line in out.splitlines() if line.split()[1:] and line.split()[1].startswith(str(directory))
+    }
     if ids:
         subprocess.run(["scancel", *sorted(ids)])
 
@@ -121,8 +125,19 @@ def test_a_job_that_requeues_itself_is_followed_until_it_ends(monkeypatch, tmp_p
     through them all and asks for the outcome only at COMPLETED. Also sacct's "CANCELLED by 0" ends.
     accounting=none: sacct fails and squeue answers; sacct: sacct answers, a header line first and
     maybe more columns and rows than asked (the test cluster's stand-in answers as submitit asks)."""
-    states = iter(["RUNNING", "SIGNALING", "REQUEUED", "REQUEUE_HOLD", "PENDING", "CONFIGURING",
-                   "RUNNING", "COMPLETING", "COMPLETED"])
+    states = iter(
+        [
+            "RUNNING",
+            "SIGNALING",
+            "REQUEUED",
+            "REQUEUE_HOLD",
+            "PENDING",
+            "CONFIGURING",
+            "RUNNING",
+            "COMPLETING",
+            "COMPLETED",
+        ]
+    )
     asked = []
 
     def run(command, **kwargs):
@@ -130,8 +145,9 @@ def test_a_job_that_requeues_itself_is_followed_until_it_ends(monkeypatch, tmp_p
             return subprocess.CompletedProcess(command, 1, "", "Slurm accounting storage is disabled")
         asked.append(state := next(states))
         if command[0] == "sacct":
-            return subprocess.CompletedProcess(command, 0, f"JobID|State|NodeList\n13|{state}|n[1-2]\n"
-                                               "13.batch|COMPLETED|n1\n", "")
+            return subprocess.CompletedProcess(
+                command, 0, f"JobID|State|NodeList\n13|{state}|n[1-2]\n13.batch|COMPLETED|n1\n", ""
+            )
         return subprocess.CompletedProcess(command, 0, state + "\n", "")
 
     class Job:  # what follow() may use of a submitit Job, in the state submitit's watcher would give
@@ -146,7 +162,6 @@ def test_a_job_that_requeues_itself_is_followed_until_it_ends(monkeypatch, tmp_p
     assert slurm.ended("CANCELLED by 0") and slurm.ended("TIMEOUT") and not slurm.ended("SIGNALING")
 
 
-
 def test_topology_leonardo_512_brings_cluster_leonardo():
     assert compose_cfg("topology=leonardo_512").cluster.name == "leonardo"
     assert compose_cfg("topology=leonardo_512", "cluster=local").cluster.name == "local"
@@ -156,9 +171,22 @@ def test_topology_leonardo_512_brings_cluster_leonardo():
 def test_leonardo_dry_run_renders_the_paper_jobs(tmp_path):
     """The four paper_512 runs, dry: 128 nodes x 4 tasks, 4 GPUs and 8 CPUs per task, the authors'
     meshes and hyper-parameters; nothing submitted (no sbatch on PATH)."""
-    out = subprocess.run([sys.executable, "-m", "fldp.train", "-m", "+experiment=paper_512", "cluster.dry_run=true",
-                          f"hydra.sweep.dir={tmp_path}"], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=300, env={**os.environ, **NO_SLURM_ENV})
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fldp.train",
+            "-m",
+            "+experiment=paper_512",
+            "cluster.dry_run=true",
+            f"hydra.sweep.dir={tmp_path}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **NO_SLURM_ENV},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     runs = out.stdout.split("fldp: dry run (cluster=leonardo): nothing submitted")[1:]
     assert len(runs) == 4, out.stdout[-3000:]
@@ -168,11 +196,19 @@ def test_leonardo_dry_run_renders_the_paper_jobs(tmp_path):
         assert LEONARDO[algorithm] == mesh
         seen.add(algorithm)
         assert "job: 128 nodes x 4 tasks = 512 tasks, one rank each (NCCL), partition boost_usr_prod" in text
-        for flag in ("--nodes=128", "--ntasks-per-node=4", "--gpus-per-node=4", "--cpus-per-task=8",
-                     "--partition=boost_usr_prod", "--exclusive"):
+        for flag in (
+            "--nodes=128",
+            "--ntasks-per-node=4",
+            "--gpus-per-node=4",
+            "--cpus-per-task=8",
+            "--partition=boost_usr_prod",
+            "--exclusive",
+        ):
             assert f"#SBATCH {flag}\n" in text, flag
-        assert "run: model llama3_1_8b, dataset clean_mc4_it, bf16, batch 2 per rank, 64 steps, " \
-               "adamw lr 0.0003, seed 42" in text
+        assert (
+            "run: model llama3_1_8b, dataset clean_mc4_it, bf16, batch 2 per rank, 64 steps, "
+            "adamw lr 0.0003, seed 42" in text
+        )
         assert "setting: the paper's (paper.md, Section 5)" in text
         assert ("FedAvg every 8 steps" in text) == algorithm.startswith("fl_")
         assert "export NCCL_IB_DISABLE=0" in text and "srun " in text
@@ -186,21 +222,31 @@ def test_leonardo_dry_run_renders_the_paper_jobs(tmp_path):
 PARAMS_8B = 2 * 128256 * 4096 + 32 * (2 * 4096**2 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096) + 4096
 
 
-@pytest.mark.parametrize("algorithm,outer,per_param", [
-    ("fl_fsdp", [], 2 * 3),                       # bf16 weights + AdamW's 2 moments, in bf16
-    ("fl_fsdp", ["algorithm.outer.lr=0.7", "algorithm.outer.momentum=0.9"], 2 * 3 + 4 * 2),  # + fp32 anchor, momentum
-    ("hsdp", [], 2 * 3),
-])
+@pytest.mark.parametrize(
+    "algorithm,outer,per_param",
+    [
+        ("fl_fsdp", [], 2 * 3),  # bf16 weights + AdamW's 2 moments, in bf16
+        (
+            "fl_fsdp",
+            ["algorithm.outer.lr=0.7", "algorithm.outer.momentum=0.9"],
+            2 * 3 + 4 * 2,
+        ),  # + fp32 anchor, momentum
+        ("hsdp", [], 2 * 3),
+    ],
+)
 def test_dry_run_prints_the_checkpoint_size(algorithm, outer, per_param):
     assert PARAMS_8B == 8_030_261_248
-    cfg = compose_cfg("topology=leonardo_512", f"algorithm={algorithm}", "trainer.checkpoint_every=8",
-                      "trainer.keep_last=2", *outer)
+    cfg = compose_cfg(
+        "topology=leonardo_512", f"algorithm={algorithm}", "trainer.checkpoint_every=8", "trainer.keep_last=2", *outer
+    )
     shape = mesh_shape(cfg)
     text = slurm.describe(cfg, shape, slurm.job_parameters(cfg, shape))
     (line,) = [x for x in text.splitlines() if x.startswith("checkpoint:")]
-    m = re.fullmatch(r"checkpoint: ([\d.]+ GB) per federation group x (\d+) = ([\d.]+ [GT]B) \(8.03 G parameters: "
-                     r"bf16 weights \+ adamw 2 moment\(s\).*\); every 8 steps, the newest 2 kept \(up to ([\d.]+ [GT]B) .*",
-                     line)
+    m = re.fullmatch(
+        r"checkpoint: ([\d.]+ GB) per federation group x (\d+) = ([\d.]+ [GT]B) \(8.03 G parameters: "
+        r"bf16 weights \+ adamw 2 moment\(s\).*\); every 8 steps, the newest 2 kept \(up to ([\d.]+ [GT]B) .*",
+        line,
+    )
     assert m, line
     group, groups, total, disk = m.groups()
     in_bytes = {"GB": 1e9, "TB": 1e12}
@@ -214,20 +260,36 @@ def test_dry_run_prints_the_checkpoint_size(algorithm, outer, per_param):
 def test_an_elastic_runs_dry_run_shows_the_supervisor_and_each_groups_job_step(tmp_path):
     """One job; submitit's step is the supervisor alone (one task, first node), which starts each
     federation group as a job step on its own nodes; no time-limit requeue (no checkpoints)."""
-    run = cli("algorithm=fl_hsdp", "topology=slurm_2x4", "algorithm.elastic=true", *QUICK, "cluster=slurm",
-              "cluster.dry_run=true", SHARED_TMP, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    run = cli(
+        "algorithm=fl_hsdp",
+        "topology=slurm_2x4",
+        "algorithm.elastic=true",
+        *QUICK,
+        "cluster=slurm",
+        "cluster.dry_run=true",
+        SHARED_TMP,
+        f"hydra.run.dir={tmp_path / 'run'}",
+        cwd=tmp_path,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     out = run.stdout
     assert re.search(r"^srun .* --nodes=1 --ntasks=1 \S+python\S* -u -m submitit.core._submit", out, re.M), out
     assert "#SBATCH --requeue" not in out and "#SBATCH --nodes=2" in out and "#SBATCH --ntasks-per-node=4" in out
     steps = re.findall(r"^srun --overlap (.*) -m fldp.group_step \S+ (\d) 0 http://FIRST_NODE:PORT$", out, re.M)
     assert [(g, opts.split()[:4]) for opts, g in steps] == [
-        (str(g), ["--nodes=1", f"--relative={g}", "--ntasks=4", "--ntasks-per-node=4"]) for g in (0, 1)], out
+        (str(g), ["--nodes=1", f"--relative={g}", "--ntasks=4", "--ntasks-per-node=4"]) for g in (0, 1)
+    ], out
 
 
 def test_without_slurm_a_slurm_run_fails_at_once(tmp_path):
-    out = cli("algorithm=fl_hsdp", "topology=leonardo_512", f"hydra.run.dir={tmp_path}", cwd=tmp_path,
-              timeout=120, env=NO_SLURM_ENV)
+    out = cli(
+        "algorithm=fl_hsdp",
+        "topology=leonardo_512",
+        f"hydra.run.dir={tmp_path}",
+        cwd=tmp_path,
+        timeout=120,
+        env=NO_SLURM_ENV,
+    )
     assert out.returncode == 2
     assert "cluster=leonardo: no SLURM reachable from here (sbatch/srun not on PATH)" in out.stderr, out.stderr[-2000:]
     assert not (tmp_path / "metrics.jsonl").exists()
@@ -235,8 +297,15 @@ def test_without_slurm_a_slurm_run_fails_at_once(tmp_path):
 
 @pytest.mark.parametrize("launcher", ["fldp_slurm", "submitit_slurm"])
 def test_a_sweep_launcher_for_slurm_is_refused_naming_the_one_path(tmp_path, launcher):
-    out = cli("-m", f"hydra/launcher={launcher}", "cluster=slurm", "seed=1,2", f"hydra.sweep.dir={tmp_path / 'sweep'}",
-              cwd=tmp_path, timeout=60)
+    out = cli(
+        "-m",
+        f"hydra/launcher={launcher}",
+        "cluster=slurm",
+        "seed=1,2",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        cwd=tmp_path,
+        timeout=60,
+    )
     assert out.returncode == 2, out.stderr[-2000:]
     assert f"fldp: config error: hydra/launcher={launcher}: SLURM runs take one path, cluster=slurm" in out.stderr
     assert not (tmp_path / "sweep").exists()
@@ -257,13 +326,26 @@ def test_a_run_directory_with_a_percent_sign_keeps_it_out_of_sbatchs_log_paths(t
 def test_local_sweep_an_invalid_point_fails_alone(tmp_path):
     """Hydra's basic launcher, one point after another: F=3 cannot fit 2 ranks and fails, logged
     as it fails; F=2 still runs; the sweep exits non-zero at the end."""
-    out = cli("-m", "algorithm=fl_fsdp", "topology=local_2", "trainer.steps=1", "mesh.federation=3,2", *QUICK,
-              f"hydra.sweep.dir={tmp_path}", cwd=tmp_path, timeout=300)
+    out = cli(
+        "-m",
+        "algorithm=fl_fsdp",
+        "topology=local_2",
+        "trainer.steps=1",
+        "mesh.federation=3,2",
+        *QUICK,
+        f"hydra.sweep.dir={tmp_path}",
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert out.returncode == 1
-    assert re.search(r"sweep point #0 \(.*mesh.federation=3.*\) failed: mesh.federation x mesh.replicate x "
-                     r"mesh.shard = 3x1x1 = 3 ranks, but topology=local_2 has 2", out.stdout + out.stderr)
-    assert [p.parent.name for p in tmp_path.glob("*/summary.json")] == \
-        ["algorithm=fl_fsdp,mesh.federation=2,topology=local_2,trainer.eval_batches=1,trainer.steps=1"]
+    assert re.search(
+        r"sweep point #0 \(.*mesh.federation=3.*\) failed: mesh.federation x mesh.replicate x "
+        r"mesh.shard = 3x1x1 = 3 ranks, but topology=local_2 has 2",
+        out.stdout + out.stderr,
+    )
+    assert [p.parent.name for p in tmp_path.glob("*/summary.json")] == [
+        "algorithm=fl_fsdp,mesh.federation=2,topology=local_2,trainer.eval_batches=1,trainer.steps=1"
+    ]
 
 
 def test_rendezvous_from_the_allocation():
@@ -275,6 +357,7 @@ def test_rendezvous_from_the_allocation():
 
 
 # --- on the SLURM cluster ---------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def two_by_four(tmp_path_factory, token_cache):
@@ -288,13 +371,41 @@ def two_by_four(tmp_path_factory, token_cache):
     start = time.monotonic()
     procs = {
         "submitted": subprocess.Popen(
-            [sys.executable, "-m", "fldp.train", *RUN, cache, "topology=slurm_2x4", "cluster=slurm", SHARED_TMP,
-             "cluster.poll_s=1", "cluster.time_min=10", f"hydra.run.dir={submitted}"], cwd=base,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+            [
+                sys.executable,
+                "-m",
+                "fldp.train",
+                *RUN,
+                cache,
+                "topology=slurm_2x4",
+                "cluster=slurm",
+                SHARED_TMP,
+                "cluster.poll_s=1",
+                "cluster.time_min=10",
+                f"hydra.run.dir={submitted}",
+            ],
+            cwd=base,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        ),
         "sbatch": subprocess.Popen(
-            ["sbatch", "--wait", "--output", str(base / "sbatch.out"), str(ROOT / "slurm" / "generic.sbatch"),
-             *RUN, cache, f"hydra.run.dir={scripted}"], cwd=base, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, env={**os.environ, "FLDP_VENV": sys.prefix}),
+            [
+                "sbatch",
+                "--wait",
+                "--output",
+                str(base / "sbatch.out"),
+                str(ROOT / "slurm" / "generic.sbatch"),
+                *RUN,
+                cache,
+                f"hydra.run.dir={scripted}",
+            ],
+            cwd=base,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "FLDP_VENV": sys.prefix},
+        ),
     }
     train_world(compose_cfg(*RUN, cache, "topology=local_8"), local)
     outcomes = {}
@@ -336,8 +447,15 @@ def test_the_dry_runs_script_is_the_one_submitted(two_by_four, token_cache):
     """fldp renders the dry run's sbatch script itself (submitit's renderer is private): it must be
     byte for byte the script submitit wrote and sbatch ran for the same run."""
     (real,) = two_by_four["submitted"].glob("slurm/*/*_submission.sh")
-    cfg = compose_cfg(*RUN, f"dataset.cache_dir={token_cache}", "topology=slurm_2x4", "cluster=slurm", SHARED_TMP,
-                      "cluster.poll_s=1", "cluster.time_min=10")
+    cfg = compose_cfg(
+        *RUN,
+        f"dataset.cache_dir={token_cache}",
+        "topology=slurm_2x4",
+        "cluster=slurm",
+        SHARED_TMP,
+        "cluster.poll_s=1",
+        "cluster.time_min=10",
+    )
     params = slurm.job_parameters(cfg, mesh_shape(cfg))
     assert slurm.sbatch_script(params, two_by_four["submitted"] / "slurm" / "%j") == real.read_text()
 
@@ -360,8 +478,14 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the job unpickles
 
 
 def _small_job_cfg():
-    cfg = compose_cfg("cluster=slurm", "topology=slurm_2x4", "topology.procs_per_node=2", "mesh.federation=2",
-                      "mesh.replicate=1", "mesh.shard=2")
+    cfg = compose_cfg(
+        "cluster=slurm",
+        "topology=slurm_2x4",
+        "topology.procs_per_node=2",
+        "mesh.federation=2",
+        "mesh.replicate=1",
+        "mesh.shard=2",
+    )
     return cfg, mesh_shape(cfg)
 
 
@@ -395,22 +519,40 @@ def test_a_rank_that_raises_fails_the_job_at_once_with_its_error(tmp_path, idle_
 
 @needs_slurm
 def test_an_elastic_runs_failed_group_is_a_job_step_started_again_that_heals_and_rejoins(
-        tmp_path, idle_cluster, token_cache):
+    tmp_path, idle_cluster, token_cache
+):
     """algorithm.elastic=true under SLURM: one job, whose one task (first node) runs the torchft
     lighthouse and starts each federation group as a job step. Every rank of group 1 SIGKILLed after
     step 3: srun ends that step alone, group 0 trains on; the step is started again, heals from
     group 0 and trains with it to the end; the job completes. Groups of 2 ranks on 2 nodes: a
     restarted step spends ~15 s importing and joining, which group 0 outlasts with 400 short steps."""
     steps = 400
-    run = cli("algorithm=fl_fsdp", "topology=slurm_2x4", "topology.procs_per_node=2", "mesh.federation=2",
-              "mesh.shard=2", "algorithm.elastic=true", f"trainer.steps={steps}", "algorithm.every=8", *QUICK,
-              f"dataset.cache_dir={token_cache}", "cluster=slurm", SHARED_TMP, "cluster.poll_s=1",
-              "cluster.time_min=10", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, timeout=400,
-              env={"FLDP_FAULT": "group=1,step=3"})
+    run = cli(
+        "algorithm=fl_fsdp",
+        "topology=slurm_2x4",
+        "topology.procs_per_node=2",
+        "mesh.federation=2",
+        "mesh.shard=2",
+        "algorithm.elastic=true",
+        f"trainer.steps={steps}",
+        "algorithm.every=8",
+        *QUICK,
+        f"dataset.cache_dir={token_cache}",
+        "cluster=slurm",
+        SHARED_TMP,
+        "cluster.poll_s=1",
+        "cluster.time_min=10",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        cwd=tmp_path,
+        timeout=400,
+        env={"FLDP_FAULT": "group=1,step=3"},
+    )
     assert run.returncode == 0, run.stderr[-3000:] + cluster_report()
     records = tmp_path / "run"
     events = [json.loads(line) for line in (records / "elastic_events.jsonl").read_text().splitlines()]
-    assert [(e["group"], e["incarnation"], e["exit"], e["restarted"]) for e in events] == [(1, 0, "exit code 137", True)]
+    assert [(e["group"], e["incarnation"], e["exit"], e["restarted"]) for e in events] == [
+        (1, 0, "exit code 137", True)
+    ]
     logs = records / "elastic_logs"
     assert "FLDP_FAULT kills group 1 at step 3" in (logs / "group_1.restart_0.log").read_text()
     assert (logs / "group_1.restart_1.log").exists() and not (logs / "group_0.restart_1.log").exists()
@@ -446,17 +588,37 @@ def test_a_cancelled_job_is_reported_failed(tmp_path, idle_cluster):
 
 @needs_slurm
 def test_a_sweeps_points_are_all_submitted_then_followed_and_a_failing_one_reports_its_cause(
-        tmp_path, idle_cluster, token_cache):
+    tmp_path, idle_cluster, token_cache
+):
     """Two points (-m cluster=slurm): a vocabulary too small for the tokenizer, which passes the
     pre-flight and is found by the ranks inside the job, and a good one. Both are submitted before
     either is followed; the sweep exits 1 with the failing point's first rank's error, no rank
     waits, and the good point finishes with its records."""
     try:
         out = subprocess.run(  # one stream, so the order of what it says is the order it happened in
-            [sys.executable, "-m", "fldp.train", "-m", "cluster=slurm", "topology=slurm_2x4", "topology.procs_per_node=2",
-             "mesh.replicate=1", "cluster.poll_s=1", "model.vocab_size=1000,null", "trainer.steps=2",
-             f"dataset.cache_dir={token_cache}", SHARED_TMP, *QUICK, f"hydra.sweep.dir={tmp_path}"],
-            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=400)
+            [
+                sys.executable,
+                "-m",
+                "fldp.train",
+                "-m",
+                "cluster=slurm",
+                "topology=slurm_2x4",
+                "topology.procs_per_node=2",
+                "mesh.replicate=1",
+                "cluster.poll_s=1",
+                "model.vocab_size=1000,null",
+                "trainer.steps=2",
+                f"dataset.cache_dir={token_cache}",
+                SHARED_TMP,
+                *QUICK,
+                f"hydra.sweep.dir={tmp_path}",
+            ],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=400,
+        )
     finally:
         cancel_jobs_from(tmp_path)
     output = out.stdout
@@ -474,8 +636,15 @@ def test_a_sweeps_points_are_all_submitted_then_followed_and_a_failing_one_repor
 @needs_slurm
 def test_sbatch_refuses_an_impossible_job_at_once(tmp_path, idle_cluster):
     """3 nodes on a 2-node cluster: EnforcePartLimits makes sbatch refuse it instead of queueing it."""
-    cfg = compose_cfg("cluster=slurm", "topology=slurm_2x4", "topology.nodes=3", "topology.procs_per_node=1",
-                      "mesh.federation=3", "mesh.replicate=1", "mesh.shard=1")
+    cfg = compose_cfg(
+        "cluster=slurm",
+        "topology=slurm_2x4",
+        "topology.nodes=3",
+        "topology.procs_per_node=1",
+        "mesh.federation=3",
+        "mesh.replicate=1",
+        "mesh.shard=1",
+    )
     with pytest.raises(WorkerError, match="sbatch refused the job"):
         slurm.submit_job(cfg, str(tmp_path), mesh_shape(cfg), fn=_sleep)
 
@@ -500,11 +669,26 @@ def _requeued_point(run: list[str], federation_bytes: float) -> list[str]:
     run on local processes) take SLEEP_S: bytes / (gbit_s * 1e9 / 8 * comm.scale). The sleeps change
     no record. Spelled as Hydra writes a sweep point's overrides (True), which name its directory."""
     gbit_s = max(1, int(federation_bytes * 8 / (1e9 * EMULATION_SCALE * SLEEP_S)))
-    slow = ["comm.emulate=True", f"comm.scale={EMULATION_SCALE}",
-            f"topology.network=[{{tier:node,ranks:1,gbit_s:800}},{{tier:inter-node,ranks:2,gbit_s:{gbit_s}}}]"]
-    return [*run, "cluster=slurm", "topology=slurm_2x4", "topology.procs_per_node=1", "mesh.federation=2",
-            "mesh.replicate=1", "mesh.shard=1", f"cluster.time_min={LONG_LIMIT_MIN}", "cluster.signal_s=30",
-            "cluster.max_requeue=1", "cluster.poll_s=1", *slow, SHARED_TMP]
+    slow = [
+        "comm.emulate=True",
+        f"comm.scale={EMULATION_SCALE}",
+        f"topology.network=[{{tier:node,ranks:1,gbit_s:800}},{{tier:inter-node,ranks:2,gbit_s:{gbit_s}}}]",
+    ]
+    return [
+        *run,
+        "cluster=slurm",
+        "topology=slurm_2x4",
+        "topology.procs_per_node=1",
+        "mesh.federation=2",
+        "mesh.replicate=1",
+        "mesh.shard=1",
+        f"cluster.time_min={LONG_LIMIT_MIN}",
+        "cluster.signal_s=30",
+        "cluster.max_requeue=1",
+        "cluster.poll_s=1",
+        *slow,
+        SHARED_TMP,
+    ]
 
 
 def _steer_time_limit(job: str, state: str, reason: str, elapsed: str, trains: bool, steered: dict) -> None:
@@ -524,14 +708,17 @@ def _steer_time_limit(job: str, state: str, reason: str, elapsed: str, trains: b
     elif state == "PENDING" and reason == "BeginTime" and stage == "cut":
         steered[job] = ("held", time.monotonic())
     elif isinstance(stage, tuple) and time.monotonic() - stage[1] >= 3:
-        subprocess.run(["scontrol", "update", f"JobId={job}", f"TimeLimit={LONG_LIMIT_MIN}", "StartTime=now"],
-                       check=True)
+        subprocess.run(
+            ["scontrol", "update", f"JobId={job}", f"TimeLimit={LONG_LIMIT_MIN}", "StartTime=now"], check=True
+        )
         steered[job] = "released"
 
 
 @needs_slurm
 @pytest.mark.timeout(1500)
-def test_a_sweep_skips_its_finished_point_and_its_point_past_the_time_limit_requeues(tmp_path, idle_cluster, token_cache):
+def test_a_sweep_skips_its_finished_point_and_its_point_past_the_time_limit_requeues(
+    tmp_path, idle_cluster, token_cache
+):
     """A sweep over two seeds through cluster=slurm, the one path of every SLURM run. Seed 0 has
     finished before (its records from a local run): nothing is submitted for it. Seed 1's job is
     warned of its time limit mid-run (_steer_time_limit: the limit is cut once it trains): it stops
@@ -550,8 +737,13 @@ def test_a_sweep_skips_its_finished_point_and_its_point_past_the_time_limit_requ
     train_world(compose_cfg(*run, "topology=local_2", "seed=0"), finished)  # fl_fsdp 2x1x1, done before
     records = [finished / "metrics.jsonl", finished / "summary.json"]
     before = [p.stat().st_mtime_ns for p in records]
-    proc = subprocess.Popen([sys.executable, "-m", "fldp.train", "-m", *point, "seed=0,1", f"hydra.sweep.dir={sweep_dir}"],
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fldp.train", "-m", *point, "seed=0,1", f"hydra.sweep.dir={sweep_dir}"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     steered: dict = {}
     try:
         while proc.poll() is None:
@@ -569,8 +761,11 @@ def test_a_sweep_skips_its_finished_point_and_its_point_past_the_time_limit_requ
     assert f"skipped: {finished} already finished" in output, output[-4000:]
     assert [p.stat().st_mtime_ns for p in records] == before
     (job,) = re.findall(r"submitted SLURM job (\d+)", output)
-    restarts = int(re.search(r"Restarts=(\d+)", subprocess.run(["scontrol", "show", "job", job], capture_output=True,
-                                                                text=True).stdout).group(1))
+    restarts = int(
+        re.search(
+            r"Restarts=(\d+)", subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+        ).group(1)
+    )
     assert restarts == 1 and steered == {job: "released"}, (restarts, steered)
     logs = "".join(p.read_text() for p in sweep_dir.rglob(f"{job}_0_log.err"))  # in slurm-jobs/: '%2F' in the name
     assert len(re.findall(r"checkpoint after step \d+, requeued", logs)) == 1, logs[-3000:]

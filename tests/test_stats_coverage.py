@@ -1,6 +1,7 @@
 """The family-wise coverage of the intervals analysis.stats.judge shows (issue 30, item 9), by
 simulation with the truth known: 4 large true effects (every claim rejected, so Holm's step-down
 assigns its four different levels), 20 paired seeds, 20,000 families."""
+
 import math
 
 import numpy as np
@@ -55,8 +56,10 @@ def test_judge_shows_the_simultaneous_intervals_and_reads_direction_at_holms_lev
     rng = np.random.default_rng(1)
     seeds = range(SEEDS)
     b = pd.Series(100.0, index=seeds)
-    claims = [Claim(f"claim {i}", b * np.exp(mu + SD_LOG * rng.standard_normal(SEEDS)), b, 1.5)
-              for i, mu in enumerate(TRUE_LOG_RATIOS)]
+    claims = [
+        Claim(f"claim {i}", b * np.exp(mu + SD_LOG * rng.standard_normal(SEEDS)), b, 1.5)
+        for i, mu in enumerate(TRUE_LOG_RATIOS)
+    ]
     t = judge(claims)
     assert list(t["level"]) == pytest.approx([1 - 0.05 / 4] * 4)  # Bonferroni, whatever the p-values
     assert list(t["direction_level"]) == pytest.approx(holm_levels(list(t["p"])))

@@ -1,13 +1,14 @@
 """Sweeps: each point's directory names its overrides, and re-running a multirun into the same
 hydra.sweep.dir skips the finished points (summary.json) and runs only the others."""
+
 from __future__ import annotations
 
 import json
 import re
 
+from conftest import QUICK, ROOT, cli, compose_cfg, read_rows
 from omegaconf import OmegaConf
 
-from conftest import QUICK, ROOT, cli, compose_cfg, read_rows
 from fldp import schema
 from fldp.records import Recorder, wandb_name
 from fldp.setting import defining
@@ -20,8 +21,11 @@ POINT = "algorithm.every={},algorithm=fl_fsdp,topology=local_2,trainer.eval_batc
 
 def state(run_dir):
     """What a run that starts in run_dir would change: its records and the config they came from."""
-    return {f: (run_dir / f).stat().st_mtime_ns for f in ("metrics.jsonl", "summary.json", ".hydra/config.yaml")
-            if (run_dir / f).exists()}
+    return {
+        f: (run_dir / f).stat().st_mtime_ns
+        for f in ("metrics.jsonl", "summary.json", ".hydra/config.yaml")
+        if (run_dir / f).exists()
+    }
 
 
 def test_rerunning_a_sweep_skips_its_finished_points(tmp_path):
@@ -52,7 +56,10 @@ def test_rerunning_a_sweep_skips_its_finished_points(tmp_path):
     log = refused.stdout + refused.stderr
     assert refused.returncode != 0 and "skipped" not in log
     for d in (one, two):
-        assert f"hydra.run.dir={d} already holds a run's metrics.jsonl or checkpoints/: continue it with trainer.resume=auto" in log
+        assert (
+            f"hydra.run.dir={d} already holds a run's metrics.jsonl or checkpoints/: continue it with trainer.resume=auto"
+            in log
+        )
         assert state(d) == before[d]  # nor its .hydra/ written over
 
     # with trainer.resume=auto only point 2 runs (skip_finished back to its default)
@@ -84,8 +91,17 @@ def test_a_long_point_name_is_cut_with_a_hash(tmp_path):
     escaped, not a subdirectory. The points fail fast (F=3 does not fit 2 ranks): only their
     directories matter here."""
     long_name = "tiny/" + "x" * 300
-    out = cli("-m", "topology=local_2", "mesh.federation=3", f"model.name={long_name}", "seed=1,2", *QUICK,
-              f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path, timeout=120)
+    out = cli(
+        "-m",
+        "topology=local_2",
+        "mesh.federation=3",
+        f"model.name={long_name}",
+        "seed=1,2",
+        *QUICK,
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        cwd=tmp_path,
+        timeout=120,
+    )
     log = out.stdout + out.stderr
     assert "File name too long" not in log
     assert log.count("failed: mesh.federation x mesh.replicate x mesh.shard = 3x") == 2, log[-3000:]
@@ -144,5 +160,10 @@ def test_a_run_continuing_in_a_finished_directory_is_unfinished_until_it_ends(tm
 
 def test_wandb_names_are_short_whatever_the_sweep_point():
     """The run list names what tells runs apart at a glance; the point's overrides are in the config."""
-    assert wandb_name(compose_cfg("topology=local_2", "algorithm=fl_fsdp", "seed=2")) == "fl_fsdp local_2 F=2 A=8 seed=2"
-    assert wandb_name(compose_cfg("topology=local_4", "algorithm=fsdp", f"wandb.group={'x' * 300}")) == "fsdp local_4 seed=42"
+    assert (
+        wandb_name(compose_cfg("topology=local_2", "algorithm=fl_fsdp", "seed=2")) == "fl_fsdp local_2 F=2 A=8 seed=2"
+    )
+    assert (
+        wandb_name(compose_cfg("topology=local_4", "algorithm=fsdp", f"wandb.group={'x' * 300}"))
+        == "fsdp local_4 seed=42"
+    )

@@ -1,6 +1,7 @@
 """W&B, offline (no network): a resumed run continues its W&B run, sweep points are grouped and
 labelled. What W&B holds is read through its public Run attributes, which every run's summary.json
 records (`wandb`); nothing reads W&B's binary log."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,7 @@ import time
 from conftest import cli
 from wandb_log import exit_codes, history_steps, records
 
-TINY = ["topology=local_2", "trainer.steps=2", "trainer.eval_batches=1", "trainer.progress=false",
-        "wandb.mode=offline"]
+TINY = ["topology=local_2", "trainer.steps=2", "trainer.eval_batches=1", "trainer.progress=false", "wandb.mode=offline"]
 
 
 def offline_runs(run_dir):
@@ -60,8 +60,9 @@ def test_multirun_points_get_group_job_type_and_tags(tmp_path):
     }
     # a group set by the user (as +experiment=paper_512 does) wins over the sweep's name
     named = tmp_path / "named"
-    out = cli("-m", *TINY, "trainer.steps=1", "algorithm=fsdp", "wandb.group=mine", f"hydra.sweep.dir={named}",
-              cwd=tmp_path)
+    out = cli(
+        "-m", *TINY, "trainer.steps=1", "algorithm=fsdp", "wandb.group=mine", f"hydra.sweep.dir={named}", cwd=tmp_path
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert wandb_of(named / "algorithm=fsdp,topology=local_2,trainer.eval_batches=1,trainer.steps=1")["group"] == "mine"
 
@@ -72,8 +73,14 @@ def test_ctrl_c_keeps_the_wandb_history_and_the_resumed_run_adds_each_step_once(
     with the workers' exit code; the resumed run (from step 12) sends only what W&B lacks."""
     run_dir, steps = tmp_path / "run", 24
     run = [*TINY, "algorithm=fsdp", f"trainer.steps={steps}", "trainer.checkpoint_every=4", f"hydra.run.dir={run_dir}"]
-    proc = subprocess.Popen([sys.executable, "-m", "fldp.train", *run], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fldp.train", *run],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 240
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 15):
@@ -99,8 +106,16 @@ def test_wandb_names_are_short_and_the_overrides_are_in_the_config(tmp_path):
     """W&B's run list shows ALGORITHM TOPOLOGY F A seed; the point's overrides are in its config;
     the charts are against the training step."""
     sweep = tmp_path / "sweep"
-    out = cli("-m", *TINY, "trainer.steps=1", "algorithm=fl_fsdp", "seed=3", "algorithm.every=1",
-              f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    out = cli(
+        "-m",
+        *TINY,
+        "trainer.steps=1",
+        "algorithm=fl_fsdp",
+        "seed=3",
+        "algorithm.every=1",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     (point,) = [p for p in sweep.iterdir() if p.is_dir()]
     assert wandb_of(point)["name"] == "fl_fsdp local_2 F=2 A=1 seed=3"
@@ -108,8 +123,11 @@ def test_wandb_names_are_short_and_the_overrides_are_in_the_config(tmp_path):
     config = next(r.run.config for r in records(log) if r.WhichOneof("record_type") == "run")
     values = {item.key: json.loads(item.value_json) for item in config.update}
     assert {"seed=3", "algorithm.every=1", "trainer.steps=1"} <= set(values["overrides"])
-    defined = {r.metric.glob_name or r.metric.name: r.metric.step_metric
-               for r in records(log) if r.WhichOneof("record_type") == "metric"}
+    defined = {
+        r.metric.glob_name or r.metric.name: r.metric.step_metric
+        for r in records(log)
+        if r.WhichOneof("record_type") == "metric"
+    }
     assert defined["train/*"] == defined["eval/*"] == "step"
 
 
@@ -120,8 +138,16 @@ def logs(run_dir):
 def test_a_failed_run_keeps_its_wandb_history(tmp_path):
     """A worker that fails (here a non-finite loss) exits through os._exit, which skips W&B's own
     teardown: it closes its W&B run first, so the rows before the failure are in the offline log."""
-    out = cli(*TINY, "algorithm=fsdp", "optimizer.name=sgd", "optimizer.lr=1e38", "optimizer.warmup=0",
-              "trainer.steps=6", f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    out = cli(
+        *TINY,
+        "algorithm=fsdp",
+        "optimizer.name=sgd",
+        "optimizer.lr=1e38",
+        "optimizer.warmup=0",
+        "trainer.steps=6",
+        f"hydra.run.dir={tmp_path}",
+        cwd=tmp_path,
+    )
     assert out.returncode == 1 and "non-finite loss" in out.stderr, out.stderr[-3000:]
     ran = len((tmp_path / "metrics.jsonl").read_text().splitlines())
     (log,) = logs(tmp_path)

@@ -3,6 +3,7 @@ as a LevelDB-style log (32 KiB blocks of records, each a 7-byte header: CRC, len
 longer than a block continues in the next) after a 7-byte header of its own (":W&B", a magic number,
 a version), each record one protobuf `Record`. Not a public interface: written from the format as
 W&B 0.31 writes it, for tests only."""
+
 from __future__ import annotations
 
 import struct
@@ -24,8 +25,8 @@ def records(path: Path) -> list:
         if room < HEADER:  # a block's tail too short for a header is padding
             pos += room
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + HEADER])
-        body = data[pos + HEADER:pos + HEADER + length]
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + HEADER])
+        body = data[pos + HEADER : pos + HEADER + length]
         if kind == 0 or len(body) < length:  # zeros: the rest of the block; short: a record cut by a kill
             pos += room if kind == 0 else len(data)
             continue

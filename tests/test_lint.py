@@ -1,0 +1,24 @@
+"""ruff (lint and format) and mypy over the project, as CI runs them (pyproject.toml: [tool.ruff],
+[tool.mypy]). Run by hand: `ruff check . && ruff format --check . && mypy`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def tool(*args: str) -> subprocess.CompletedProcess:
+    """The tool installed beside this Python (the dev extra), as `python -m TOOL ARGS`."""
+    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_ruff_finds_nothing_to_fix():
+    out = tool("ruff", "check", ".")
+    assert out.returncode == 0, out.stdout[-4000:]
+
+
+def test_the_code_is_as_ruff_formats_it():
+    out = tool("ruff", "format", "--check", ".")
+    assert out.returncode == 0, out.stdout[-4000:]
