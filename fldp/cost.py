@@ -174,6 +174,7 @@ class Prediction:
     fragment_collectives: list[dict[str, int]] = field(default_factory=list)
     fragment_seconds: list[float] = field(default_factory=list)
     fragment_broadcast_seconds: list[float] = field(default_factory=list)
+    fragment_rate: list[float] = field(default_factory=list)  # per fragment, its aggregations per step
     overlap: int = 0
 
     @property
@@ -257,9 +258,7 @@ def predict(
     weights in the parameters' dtype. streaming: fragments (by units.names) and overlap. quantizer:
     algorithm.outer.quantize, each bucket's change padded to F chunks of whole blocks, sent with its
     scales in an all-to-all and an all-gather ((F - 1) / F of it each, as a ring all-reduce's halves)."""
-    F, R, S = shape.federation, shape.replicate, shape.shard
-    B_S, B_R, B_F = bandwidth["shard"], bandwidth["replicate"], bandwidth["federation"]
-    aggregates = every is not None and F > 1
+    aggregates = every is not None and shape.federation > 1
     rate = 0.0
     if aggregates:
         schedule = schedule_of(every)
@@ -270,22 +269,43 @@ def predict(
     cast = (reduce_element_size or units.element_size) / units.element_size
     if quantizer is not None:  # the paper's variant: no padding
         cast = quantizer.wire_bytes(quantizer.block) / quantizer.block / units.element_size
+    pred.paper = _paper_terms(units, shape, bandwidth, keep, cast, rate, mode)
+    gathers = _step_terms(pred, units, shape, reshard_root_after_forward)
+    streaming = streaming or StreamingConfig()
+    fragment_weights: list[float] = []  # per fragment, the bytes of its federated local shards on this rank
+    fragment_rate: list[float] = []  # per fragment, its aggregations per step
+    if aggregates:
+        fragment_weights = _fragment_terms(pred, units, keep, cast, bucket_mb, streaming, quantizer, mode)
+        fragment_rate = _fragment_rates(streaming, schedule, steps, rate)
+        pred.overlap = streaming.overlap
+    pred.fragment_rate = fragment_rate
+    _exact_terms(pred, bandwidth)
+    _gloo_terms(pred, units, bandwidth, latency, gathers, fragment_weights, quantizer is not None)
+    return pred
 
-    # --- paper variant: M L with M the (unpadded) layer shard size; FedAvg's of the federated ones
+
+def _paper_terms(units: Units, shape: MeshShape, bandwidth: dict, keep: list[bool], cast: float, rate: float, mode):
+    """Eq. 1-5 as printed: M L with M the (unpadded) layer shard size; FedAvg's of the federated ones."""
+    F, R, S = shape.federation, shape.replicate, shape.shard
     ML = units.total_bytes() / S
     ML_weights = sum(math.prod(dims) for (dims, _), k in zip(units.params, keep) if k) * units.element_size / S
-    ML_fed = ML_weights * cast
-    pred.paper = {
-        "shard": 2 * C_AG(ML, S, B_S) + C_RS(ML, S, B_S),  # Eq. 1
-        "replicate": C_AR(ML, R, B_R),  # Eq. 2
-        "federation": C_AR(ML_fed, F, B_F) * rate,  # Eq. 3-4
-        "broadcast": C_BC(ML_weights, R, B_R) * rate if R > 1 and mode == "leader_broadcast" else 0.0,  # Eq. 5
+    return {
+        "shard": 2 * C_AG(ML, S, bandwidth["shard"]) + C_RS(ML, S, bandwidth["shard"]),  # Eq. 1
+        "replicate": C_AR(ML, R, bandwidth["replicate"]),  # Eq. 2
+        "federation": C_AR(ML_weights * cast, F, bandwidth["federation"]) * rate,  # Eq. 3-4
+        # Eq. 5
+        "broadcast": C_BC(ML_weights, R, bandwidth["replicate"]) * rate
+        if R > 1 and mode == "leader_broadcast"
+        else 0.0,
     }
 
-    # --- exact variant: FSDP2 units, padding; per unit one reduce-scatter and two all-gathers
-    # (forward, backward), but one for the root unless it reshards after forward (FSDP1's policy)
+
+def _step_terms(pred: Prediction, units: Units, shape: MeshShape, reshard_root_after_forward: bool) -> list[int]:
+    """Every step's bytes and collectives: FSDP2 units, padding; per unit one reduce-scatter and two
+    all-gathers (forward, backward), but one for the root unless it reshards after forward (FSDP1's
+    policy). The all-gathers per unit."""
+    R, S, L = shape.replicate, shape.shard, units.L
     padded = units.padded_shard_bytes(S)
-    L = units.L
     gathers = [2] * (L - 1) + [2 if reshard_root_after_forward else 1]  # the root is the last unit
     if S > 1:
         pred.step_bytes["shard"] = (S - 1) * sum(b * (g + 1) for b, g in zip(padded, gathers))
@@ -293,87 +313,100 @@ def predict(
     if R > 1:
         pred.step_bytes["replicate"] = 2 * (R - 1) / R * sum(padded)
         pred.step_collectives["replicate"] = L
-    fragment_weights = []  # per fragment, the bytes of its federated local shards on this rank (the broadcast's)
-    streaming = streaming or StreamingConfig()
-    fragment_rate: list[float] = []  # per fragment, its aggregations per step
-    if aggregates:
-        # FedAvg buckets the federated, non-empty local shards of each fragment by their own size,
-        # then casts; a bucket never spans fragments
-        of = _fragments(streaming, list(units.names), keep) if streaming.fragments > 1 else [0] * len(units.params)
-        shards = units.local_shards(S, 0)
-        for p in range(streaming.fragments):
-            local = [b for b, k, f in zip(shards, keep, of) if k and b and f == p]
-            grouped = bucket_indices([(b, None) for b in local], int(bucket_mb * 2**20))
-            buckets = len(grouped)
-            bytes_, count = {"federation": 2 * (F - 1) / F * sum(local) * cast}, {"federation": buckets}
-            if quantizer is not None:  # per bucket: (F - 1) / F of F padded chunks, twice
-                elements = [sum(local[i] for i in g) // units.element_size for g in grouped]
-                bytes_["federation"] = sum(2 * (F - 1) * quantizer.wire_bytes(quantizer.chunk(n, F)) for n in elements)
-                count["federation"] = 2 * buckets
-            if R > 1 and mode == "leader_broadcast":
-                bytes_["replicate"], count["replicate"] = (R - 1) / R * sum(local), buckets
-            pred.fragment_bytes.append(bytes_)
-            pred.fragment_collectives.append(count)
-            fragment_weights.append(sum(local))
-        pred.aggregation_bytes = {d: sum(f.get(d, 0.0) for f in pred.fragment_bytes) for d in pred.fragment_bytes[0]}
-        pred.aggregation_collectives = {
-            d: sum(f.get(d, 0) for f in pred.fragment_collectives) for d in pred.fragment_collectives[0]
-        }
-        if (streaming.fragments > 1 or streaming.exchanges) and steps:
-            # each fragment's sends over the run, from the plan the trainer follows
-            sends = Counter(p for t in range(1, steps + 1) for p in streaming.exchange(t, schedule[0][1], steps).sends)
-            fragment_rate = [sends[p] / steps for p in range(streaming.fragments)]
-        else:
-            fragment_rate = [rate] * streaming.fragments
-        pred.overlap = streaming.overlap
-    per_step = lambda key, d: sum(
-        getattr(pred, key)[p].get(d, 0) * fragment_rate[p]  # noqa: E731
-        for p in range(len(pred.fragment_bytes))
-    )
-    pred.bytes_per_step = {d: pred.step_bytes.get(d, 0.0) + per_step("fragment_bytes", d) for d in DIMS}
-    fed_bcast = per_step("fragment_bytes", "replicate")
+    return gathers
+
+
+def _fragment_terms(pred: Prediction, units: Units, keep, cast: float, bucket_mb: float, streaming, quantizer, mode):
+    """Each fragment's aggregation bytes and collectives. FedAvg buckets the federated, non-empty
+    local shards of each fragment by their own size, then casts; a bucket never spans fragments.
+    Returns each fragment's bytes of federated local shards on this rank (what the leaders broadcast)."""
+    F, R, S = pred.shape.federation, pred.shape.replicate, pred.shape.shard
+    of = _fragments(streaming, list(units.names), keep) if streaming.fragments > 1 else [0] * len(units.params)
+    shards = units.local_shards(S, 0)
+    weights = []
+    for p in range(streaming.fragments):
+        local = [b for b, k, f in zip(shards, keep, of) if k and b and f == p]
+        grouped = bucket_indices([(b, None) for b in local], int(bucket_mb * 2**20))
+        buckets = len(grouped)
+        bytes_, count = {"federation": 2 * (F - 1) / F * sum(local) * cast}, {"federation": buckets}
+        if quantizer is not None:  # per bucket: (F - 1) / F of F padded chunks, twice
+            elements = [sum(local[i] for i in g) // units.element_size for g in grouped]
+            bytes_["federation"] = sum(2 * (F - 1) * quantizer.wire_bytes(quantizer.chunk(n, F)) for n in elements)
+            count["federation"] = 2 * buckets
+        if R > 1 and mode == "leader_broadcast":
+            bytes_["replicate"], count["replicate"] = (R - 1) / R * sum(local), buckets
+        pred.fragment_bytes.append(bytes_)
+        pred.fragment_collectives.append(count)
+        weights.append(sum(local))
+    pred.aggregation_bytes = {d: sum(f.get(d, 0.0) for f in pred.fragment_bytes) for d in pred.fragment_bytes[0]}
+    pred.aggregation_collectives = {
+        d: sum(f.get(d, 0) for f in pred.fragment_collectives) for d in pred.fragment_collectives[0]
+    }
+    return weights
+
+
+def _fragment_rates(streaming, schedule, steps: int | None, rate: float) -> list[float]:
+    """Each fragment's aggregations per step: from the plan the trainer follows over the run's
+    steps with streaming, else the schedule's rate."""
+    if (streaming.fragments > 1 or streaming.exchanges) and steps:
+        sends = Counter(p for t in range(1, steps + 1) for p in streaming.exchange(t, schedule[0][1], steps).sends)
+        return [sends[p] / steps for p in range(streaming.fragments)]
+    return [rate] * streaming.fragments
+
+
+def _per_step(pred: Prediction, key: str, d: str) -> float:
+    """Fragments' `key` (fragment_bytes or fragment_collectives) on dimension d, per step."""
+    return sum(getattr(pred, key)[p].get(d, 0) * pred.fragment_rate[p] for p in range(len(pred.fragment_bytes)))
+
+
+def _exact_terms(pred: Prediction, bandwidth: dict) -> None:
+    """Bytes per step per dimension, and the exact variant's seconds: bytes over bandwidth."""
+    pred.bytes_per_step = {d: pred.step_bytes.get(d, 0.0) + _per_step(pred, "fragment_bytes", d) for d in DIMS}
     pred.exact = {
-        "shard": pred.step_bytes.get("shard", 0.0) / B_S,
-        "replicate": pred.step_bytes.get("replicate", 0.0) / B_R,
-        "federation": per_step("fragment_bytes", "federation") / B_F,
-        "broadcast": fed_bcast / B_R,
+        "shard": pred.step_bytes.get("shard", 0.0) / bandwidth["shard"],
+        "replicate": pred.step_bytes.get("replicate", 0.0) / bandwidth["replicate"],
+        "federation": _per_step(pred, "fragment_bytes", "federation") / bandwidth["federation"],
+        "broadcast": _per_step(pred, "fragment_bytes", "replicate") / bandwidth["replicate"],
     }
 
-    # --- gloo variant (measured on the netns links, docs/netns.md "What gloo really sends"): gloo's reduce-scatter
-    # is an all-reduce (2 (S-1) M per rank, twice a ring's) and its broadcast is flat (the root
-    # sends the whole message to each of the R-1 others); all-gather and all-reduce are rings.
-    # Every step of a ring (a broadcast: every send) adds its dimension's latency (alpha-beta).
+
+def _gloo_terms(pred: Prediction, units: Units, bandwidth, latency, gathers, fragment_weights, quantized: bool) -> None:
+    """The gloo variant (measured on the netns links, docs/netns.md "What gloo really sends"): gloo's
+    reduce-scatter is an all-reduce (2 (S-1) M per rank, twice a ring's) and its broadcast is flat
+    (the root sends the whole message to each of the R-1 others); all-gather and all-reduce are
+    rings. Every step of a ring (a broadcast: every send) adds its dimension's latency (alpha-beta)."""
+    F, R, S, L = pred.shape.federation, pred.shape.replicate, pred.shape.shard, units.L
     lat = {d: (latency or {}).get(d, 0.0) for d in DIMS}
     # steps of one federation collective: a ring all-reduce's 2 (F - 1), or (quantised) the
     # all-to-all's and the all-gather's F - 1 each
-    fed_steps = (F - 1) if quantizer is not None else 2 * (F - 1)
+    fed_steps = (F - 1) if quantized else 2 * (F - 1)
     broadcasts = "replicate" in pred.aggregation_bytes
     ring = {  # ring steps per step (aggregations amortised over the run)
         "shard": (sum(gathers) * (S - 1) + L * 2 * (S - 1)) if S > 1 else 0,
         "replicate": L * 2 * (R - 1),
-        "federation": per_step("fragment_collectives", "federation") * fed_steps,
-        "broadcast": per_step("fragment_collectives", "replicate") * (R - 1) if broadcasts else 0,
+        "federation": _per_step(pred, "fragment_collectives", "federation") * fed_steps,
+        "broadcast": _per_step(pred, "fragment_collectives", "replicate") * (R - 1) if broadcasts else 0,
     }
+    padded = units.padded_shard_bytes(S)
     pred.gloo_bytes = {  # per rank per step
         "shard": (S - 1) * sum(b * (g + 2) for b, g in zip(padded, gathers)),
         "replicate": pred.step_bytes.get("replicate", 0.0),
-        "federation": per_step("fragment_bytes", "federation"),
+        "federation": _per_step(pred, "fragment_bytes", "federation"),
         # gloo's broadcast is flat: the leader sends the weights to each of the R-1 others
-        "broadcast": sum((R - 1) * w * r for w, r in zip(fragment_weights, fragment_rate)) if broadcasts else 0.0,
+        "broadcast": sum((R - 1) * w * r for w, r in zip(fragment_weights, pred.fragment_rate)) if broadcasts else 0.0,
     }
     pred.gloo = {
         term: sent / bandwidth[_DIM_OF.get(term, term)] + lat[_DIM_OF.get(term, term)] * ring[term]
         for term, sent in pred.gloo_bytes.items()
     }
     pred.fragment_seconds = [
-        f.get("federation", 0.0) / B_F + lat["federation"] * c["federation"] * fed_steps
+        f.get("federation", 0.0) / bandwidth["federation"] + lat["federation"] * c["federation"] * fed_steps
         for f, c in zip(pred.fragment_bytes, pred.fragment_collectives)
     ]
     pred.fragment_broadcast_seconds = [
-        ((R - 1) * w / B_R + lat["replicate"] * c["replicate"] * (R - 1)) if broadcasts else 0.0
+        ((R - 1) * w / bandwidth["replicate"] + lat["replicate"] * c["replicate"] * (R - 1)) if broadcasts else 0.0
         for w, c in zip(fragment_weights, pred.fragment_collectives)
     ]
-    return pred
 
 
 def predict_for(
