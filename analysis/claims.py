@@ -65,7 +65,7 @@ def _mean_std(values: pd.DataFrame, metric: str, algo: str, decimals: int = 2) -
     return text + (f" ± {v.std():.{decimals}f}" if len(v) > 1 else "")
 
 
-def _paired(values: pd.DataFrame, metric: str, num: str, den: str):
+def _paired(values: pd.DataFrame, metric: str, num: str, den: str) -> tuple[pd.Series, pd.Series]:
     """num / den over the seeds both ran (an empty pair when either is missing)."""
     w = _wide(values, metric) if len(values) else pd.DataFrame()
     if not {num, den} <= set(w.columns):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import pandas as pd
 
@@ -115,7 +116,7 @@ def _read_config(run_dir: Path) -> dict:
         return {}
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    return cast(dict, OmegaConf.to_container(OmegaConf.load(path), resolve=False))
 
 
 def load_run_dir(run_dir: Path, name: str | None = None) -> Run:

@@ -45,7 +45,7 @@ def filters(
     trainer's group (wandb.group), every one of the tags (topology=..., A=..., F=...), its job type
     (the algorithm) and the fldp commit it recorded in the run's config (a prefix of 7+ characters
     will do)."""
-    clauses = [{"group": group}] if group else []
+    clauses: list[dict] = [{"group": group}] if group else []
     clauses += [{"tags": {"$in": [tag]}} for tag in tags or []]
     clauses += [{"jobType": job_type}] if job_type else []
     if commit:

@@ -121,7 +121,7 @@ class CommMeter:
         return self
 
     def __exit__(self, *exc) -> None:
-        for module, name, original in self._saved:
+        for module, name, original in self._saved or []:
             setattr(module, name, original)
         self._saved = None
 

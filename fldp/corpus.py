@@ -45,7 +45,7 @@ def read_chapters(wheel, tmp):
         "SELECT bNumber, cNumber, vText FROM bible WHERE bbName=? ORDER BY bNumber, cNumber, vNumber", (BIBLE,)
     ).fetchall()
     con.close()
-    chapters = {}
+    chapters: dict = {}
     for b, c, verse in rows:
         # Some verses carry stray newlines/tabs/leading spaces; normalise to single spaces.
         chapters.setdefault((b, c), []).append(" ".join(verse.split()))

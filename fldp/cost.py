@@ -25,6 +25,7 @@ import math
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +34,10 @@ from .mesh import DIMS, MeshShape
 from .quantize import Quantizer
 from .schedule import aggregation_steps, schedule_of
 from .streaming import StreamingConfig
+
+if TYPE_CHECKING:  # imported where used: fldp-cost alone needs rich
+    from omegaconf import DictConfig
+    from rich.table import Table
 
 
 # the collectives' time costs, Table 1 (D: message bytes, n: processes, B: bytes/s)
@@ -111,7 +116,8 @@ def crossing_flows(shape: MeshShape, dim: str, procs_per_node: int, leaders_only
     leader_broadcast averages across groups among replica 0 alone)."""
     stride = {"shard": 1, "replicate": shape.shard, "federation": shape.group_size}[dim]
     size = getattr(shape, dim)
-    out, into = Counter(), Counter()
+    out: Counter[int] = Counter()
+    into: Counter[int] = Counter()
     for first in range(shape.world):
         if size == 1 or (first // stride) % size:  # one pass per group, from its first member
             continue
@@ -134,7 +140,11 @@ def tier_bandwidth(
     out = {}
     for dim, tier in tiers(network, shape).items():
         leaders = leaders_only and dim == "federation"
-        shared = crossing_flows(shape, dim, procs_per_node, leaders) if tier.get("link") == "node" else 1
+        shared = 1
+        if tier.get("link") == "node":
+            if procs_per_node is None:
+                raise ValueError(f"tier_bandwidth: the {dim} tier is a node's link; procs_per_node is needed")
+            shared = crossing_flows(shape, dim, procs_per_node, leaders)
         out[dim] = tier["gbit_s"] * 1e9 / 8 * scale / shared
     return out
 
@@ -326,7 +336,8 @@ def _fragment_terms(pred: Prediction, units: Units, keep, cast: float, bucket_mb
     weights = []
     for p in range(streaming.fragments):
         local = [b for b, k, f in zip(shards, keep, of) if k and b and f == p]
-        grouped = bucket_indices([(b, None) for b in local], int(bucket_mb * 2**20))
+        # one dtype: buckets split by size alone
+        grouped = bucket_indices([(b, torch.float32) for b in local], int(bucket_mb * 2**20))
         buckets = len(grouped)
         bytes_, count = {"federation": 2 * (F - 1) / F * sum(local) * cast}, {"federation": buckets}
         if quantizer is not None:  # per bucket: (F - 1) / F of F padded chunks, twice
@@ -481,14 +492,14 @@ def link_extra(cfg, units: Units, aggregates: bool | None = None, shape: MeshSha
 
 
 # ---------------------------------------------------------------- CLI: python -m fldp.cost
-def algorithms_by_layout() -> dict[str, object]:
+def algorithms_by_layout() -> dict[str, DictConfig]:
     """The algorithms conf/algorithm declares with dimensions of their own (an algorithm that extends
     another inherits its mesh), keyed as topology.layouts is: by the dimensions they have."""
     from omegaconf import OmegaConf
 
     from .setting import CONF
 
-    out = {}
+    out: dict = {}
     for path in sorted((CONF / "algorithm").glob("*.yaml")):
         algorithm = OmegaConf.load(path)
         if "dims" in algorithm:
@@ -562,7 +573,7 @@ def _byte_unit(values) -> tuple[str, float]:
     return next(((u, f) for u, f in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)) if top >= f), ("B", 1.0))
 
 
-def _table(title: str, columns: list[tuple[str, list]], rows) -> rich.table.Table:  # noqa: F821
+def _table(title: str, columns: list[tuple[str, list]], rows) -> Table:
     from rich import box
     from rich.table import Table
 

@@ -29,6 +29,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 from omegaconf import OmegaConf
@@ -81,7 +82,7 @@ def hub_unreachable() -> str | None:
 
 def env_variable(node, key: str) -> str | None:
     """The environment variable the config reads `key` from, e.g. CLEAN_MC4_IT; None if none."""
-    m = re.search(r"oc\.env:(\w+)", str(OmegaConf.to_container(node, resolve=False).get(key)))
+    m = re.search(r"oc\.env:(\w+)", str(cast(dict, OmegaConf.to_container(node, resolve=False)).get(key)))
     return m.group(1) if m else None
 
 
@@ -200,7 +201,7 @@ def tokenize_blocks(
                 break
     if batch:
         flush()
-    n = len(tokens) // block_size if need is None else min(len(tokens) // block_size, max_blocks)
+    n = len(tokens) // block_size if max_blocks is None else min(len(tokens) // block_size, max_blocks)
     return torch.tensor(tokens[: n * block_size], dtype=torch.int32).view(n, block_size)
 
 
@@ -240,7 +241,7 @@ def _tokenizer_fingerprint(tokenizer) -> str:
 def cache_entry(data_cfg, tokenizer) -> tuple[Path, dict]:
     """The cache file of these blocks and what it is made from (stored in it; its name hashes it).
     JSON-normalised, so that it compares equal to what a file recorded."""
-    fields = OmegaConf.to_container(data_cfg, resolve=True)
+    fields = cast(dict, OmegaConf.to_container(data_cfg, resolve=True))
     made_from = json.loads(
         json.dumps(
             {
@@ -355,8 +356,13 @@ class RankBatches:
 
     def __init__(self, blocks: torch.Tensor, batch_size: int, rank: int, world: int, seed: int, shuffle: bool = True):
         self.blocks, self.batch_size = blocks, batch_size
-        self.sampler = DistributedSampler(
-            range(len(blocks)), num_replicas=world, rank=rank, shuffle=shuffle, seed=seed, drop_last=True
+        self.sampler: DistributedSampler = DistributedSampler(
+            range(len(blocks)),  # type: ignore[arg-type]  # a sized sequence is all it reads
+            num_replicas=world,
+            rank=rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=True,
         )
         self.per_epoch = len(self.sampler) // batch_size
 
@@ -385,7 +391,13 @@ class WorldBatches:
 
     def __init__(self, blocks: torch.Tensor, batch_size: int, world: int, seed: int, shuffle: bool = True):
         self.blocks, self.batch_size, self.world = blocks, batch_size, world
-        self.sampler = DistributedSampler(range(len(blocks)), num_replicas=1, rank=0, shuffle=shuffle, seed=seed)
+        self.sampler: DistributedSampler = DistributedSampler(
+            range(len(blocks)),  # type: ignore[arg-type]  # a sized sequence is all it reads
+            num_replicas=1,
+            rank=0,
+            shuffle=shuffle,
+            seed=seed,
+        )
         self.per_rank = len(blocks) // world
         self.per_epoch = self.per_rank // batch_size
 

@@ -28,6 +28,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import wait
@@ -116,7 +117,7 @@ class Federation:
         from torchft import Manager, ProcessGroupGloo
 
         self.member = member
-        self.tracked = None
+        self.tracked: tuple = ()  # (model, optimizer, scheduler, fedavg, position): track()
         self.healed_from: int | None = None  # the peer group whose state this group last loaded
         self.healed = False  # whether it loaded one in the last aggregation
         timeout = timedelta(seconds=timeout_s)
@@ -221,7 +222,7 @@ def quiet_torchft() -> None:
     for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
         logging.getLogger(name).setLevel(logging.ERROR)  # WARNING: "no NCCL flight recorder" on CPU, each quorum
     # the checkpoint transport's HTTP server logs each request; no other HTTP server runs in fldp's processes
-    BaseHTTPRequestHandler.log_message = lambda *args: None
+    BaseHTTPRequestHandler.log_message = lambda *args: None  # type: ignore[method-assign]
     # torch reading a received checkpoint from a read-only buffer; the tensors are copied into place at once
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
@@ -255,8 +256,9 @@ class _Group:
     watched, stopped and restarted together. `cause()`: what its failure said."""
 
     def __init__(self, index: int):
-        self.index, self.restart, self.procs = index, 0, []
-        self.cause = lambda: None
+        self.index, self.restart = index, 0
+        self.procs: list = []
+        self.cause: Callable[[], str | None] = lambda: None
 
     @property
     def finished(self) -> bool:
@@ -427,7 +429,7 @@ class _Step:
     def __init__(self, popen):
         self.popen, self.pid = popen, popen.pid
         try:  # readable when srun exits: the supervisor waits on it with the lighthouse's sentinel
-            self.sentinel = os.pidfd_open(popen.pid)
+            self.sentinel: int | None = os.pidfd_open(popen.pid)
         except (AttributeError, OSError):
             self.sentinel = None  # polled every second instead
 

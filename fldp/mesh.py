@@ -69,9 +69,11 @@ def mesh_shape(cfg) -> MeshShape:
 
 def _layout_source(cfg, dims: list[str]) -> str:
     """Where a mesh taken from the topology's layouts came from, for an error about it."""
+    from typing import cast
+
     from omegaconf import OmegaConf
 
-    raw = OmegaConf.to_container(cfg.mesh, resolve=False) if OmegaConf.is_config(cfg.mesh) else {}
+    raw = cast(dict, OmegaConf.to_container(cfg.mesh, resolve=False)) if OmegaConf.is_config(cfg.mesh) else {}
     if not any("fldp_layout" in str(raw.get(d)) for d in DIMS):  # set by hand: the message names mesh.*
         return ""
     key = "_".join(d for d in DIMS if d in dims)

@@ -149,7 +149,10 @@ def owner_prefix() -> str:
 
 def dead(ns: str) -> bool:
     """Whether `ns` (an fldp namespace) belongs to a launcher of this PID namespace that has ended."""
-    pid, pid_namespace, start = map(int, _NAME.match(ns).groups()[:3])
+    match = _NAME.match(ns)
+    if match is None:
+        return False  # not a name of ours
+    pid, pid_namespace, start = map(int, match.groups()[:3])
     return pid_namespace == _pid_namespace() and _start_time(pid) != start
 
 
@@ -389,8 +392,9 @@ def summary_fields(cfg) -> dict:
     `external` (ranks started by torchrun/srun: whatever network joins their hosts)."""
     if cfg.comm.emulate:
         return {"network": "sleep", "network_link": None}
-    if enabled(cfg.topology):
-        return {"network": "netns", "network_link": from_config(cfg).describe()}
+    network = from_config(cfg)
+    if network is not None:
+        return {"network": "netns", "network_link": network.describe()}
     from .launch import FORKED  # set in the workers run_local forks
 
     return {"network": "loopback" if FORKED else "external", "network_link": None}

@@ -27,7 +27,7 @@ def record_command(args: list[str]) -> None:
 
 def provenance() -> dict:
     """What a summary records beside its setting: the command, the host, python and the versions."""
-    versions = {}
+    versions: dict[str, str | None] = {}
     for name in PACKAGES:
         try:
             versions[name] = importlib.metadata.version(name)

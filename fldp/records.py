@@ -14,6 +14,7 @@ import secrets
 import string
 import warnings
 from pathlib import Path
+from typing import cast
 
 from omegaconf import OmegaConf
 
@@ -52,7 +53,7 @@ class Recorder:
         # this segment logs again after its checkpoint only where an earlier segment's W&B run lacks them
         self.position, self.delivered = len(kept), delivered_rows(self.run_dir)
         self.wandb = _start_wandb(cfg, self.run_dir)
-        self._unregister = stopping.at_stop(self._close_wandb) if self.wandb is not None else None
+        self._unregister = stopping.at_stop(self._close_wandb) if self.wandb is not None else (lambda: None)
         self.bar = None
         if progress:
             from tqdm import tqdm
@@ -188,7 +189,7 @@ def wandb_labels(cfg) -> dict:
     algorithm) and tags (topology, and for FL: A and F), to filter and group runs by in W&B."""
     tags = [f"topology={cfg.topology.name}"]
     if cfg.algorithm.get("every") is not None:
-        every = OmegaConf.to_container(cfg.algorithm, resolve=True)["every"]
+        every = cast(dict, OmegaConf.to_container(cfg.algorithm, resolve=True))["every"]
         tags += [f"A={every}".replace(" ", ""), f"F={cfg.mesh.federation}"]
     return {"group": cfg.wandb.group, "job_type": cfg.algorithm.name, "tags": tags}
 
@@ -234,7 +235,7 @@ def check_wandb_login(cfg) -> None:
     import netrc
     from urllib.parse import urlparse
 
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or ""
     try:
         known = netrc.netrc().authenticators(host) is not None
     except (OSError, netrc.NetrcParseError):

@@ -42,7 +42,8 @@ def aggregation_steps(schedule: tuple[tuple[int, int], ...], last_step: int) -> 
     of the phase holding s (phase p holds the steps > start_p, up to the next phase's start), and
     the last step always does. So [[0, 8], [12, 8]] is every 8 steps and [[0, 8], [12, 16]] is 8,
     24, 40, ... A function of the schedule and the step numbers alone: a resumed run agrees."""
-    steps, previous = [], 0
+    steps: list[int] = []
+    previous = 0
     ends = [start for start, _ in schedule[1:]] + [last_step]
     for (start, period), end in zip(schedule, ends):
         # the phase's steps start+1..end: the first at least `period` after the previous one

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 from omegaconf import OmegaConf
 
@@ -160,7 +161,9 @@ def job_setup(setup, cpus_per_task) -> list[str]:
 
 def extra_sbatch(sbatch, exclusive) -> dict:
     """sbatch options submitit has no parameter for (cluster.sbatch), and --exclusive."""
-    extra = dict(OmegaConf.to_container(sbatch, resolve=True) if OmegaConf.is_config(sbatch) else sbatch or {})
+    extra = dict(
+        cast(dict, OmegaConf.to_container(sbatch, resolve=True)) if OmegaConf.is_config(sbatch) else sbatch or {}
+    )
     if exclusive:
         extra["exclusive"] = True
     return extra

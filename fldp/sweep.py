@@ -30,7 +30,7 @@ def point_dirname(overrides, exclude_keys=()) -> str:
     parsed = OverridesParser.create().parse_overrides(list(overrides))
     # the last value of a key wins, as Hydra applies them: `trainer.steps=2 trainer.steps=1` is
     # the point `trainer.steps=1`, whichever order the two come in
-    last = {(o.key_or_group, o.package): o.input_line for o in parsed if o.key_or_group not in exclude_keys}
+    last = {(o.key_or_group, o.package): str(o.input_line) for o in parsed if o.key_or_group not in exclude_keys}
     return component(",".join(sorted(last.values())))
 
 
