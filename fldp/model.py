@@ -3,10 +3,12 @@ scratch), and sharded with FSDP2 per decoder layer and at the root."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 import torch
 from torch.distributed.fsdp import fully_shard
+from torch.utils.checkpoint import checkpoint
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from .init import init_parameters
@@ -23,7 +25,7 @@ def llama_config(model_cfg, vocab_size: int | None = None) -> LlamaConfig:
     rope = {"rope_type": "default", "rope_theta": float(model_cfg.rope_theta)}
     if model_cfg.rope_scaling:
         rope.update(dict(model_cfg.rope_scaling))
-    return LlamaConfig(
+    return LlamaConfig(  # type: ignore[call-arg]
         vocab_size=vocab,
         hidden_size=model_cfg.hidden_size,
         intermediate_size=model_cfg.intermediate_size,
@@ -36,7 +38,7 @@ def llama_config(model_cfg, vocab_size: int | None = None) -> LlamaConfig:
         tie_word_embeddings=model_cfg.tie_word_embeddings,
         initializer_range=float(model_cfg.initializer_range),
         use_cache=False,
-        attn_implementation="sdpa",
+        attn_implementation="sdpa",  # a PretrainedConfig keyword that LlamaConfig's signature lacks
     )
 
 
@@ -57,7 +59,11 @@ def fsdp_unit(name: str) -> int:
 
 
 def parallelize(
-    model: LlamaForCausalLM, mesh, dtype: torch.dtype, reshard_root_after_forward: bool = False
+    model: LlamaForCausalLM,
+    mesh,
+    dtype: torch.dtype,
+    reshard_root_after_forward: bool = False,
+    activation_checkpointing: str = "none",
 ) -> LlamaForCausalLM:
     """FSDP2 on each decoder layer, then the root (embeddings, final norm, lm_head; a tied
     lm_head shares the root's embedding parameter). A 2-D (replicate, shard) mesh makes it HSDP.
@@ -66,13 +72,33 @@ def parallelize(
     in bf16 its 0.2% error grows to ~0.85 rad of phase at position 2047).
     Layers reshard after forward (all-gathered again in backward, FULL_SHARD). The root does not by
     default: FSDP1's FULL_SHARD, which the authors ran, keeps the root gathered from forward to
-    backward; True adds one all-gather of the root unit per step."""
+    backward; True adds one all-gather of the root unit per step.
+    activation_checkpointing (model.activation_checkpointing): `full` recomputes each decoder layer's
+    forward in its backward instead of keeping what it saved (`checkpoint_layers`)."""
     for p in model.parameters():
         p.data = p.data.to(dtype)  # in place, so a tied lm_head stays the embedding's parameter
+    if activation_checkpointing == "full":
+        checkpoint_layers(model)
+    elif activation_checkpointing != "none":
+        raise ConfigError(f"model.activation_checkpointing={activation_checkpointing!r}: must be none or full")
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_root_after_forward)
     return model
+
+
+def checkpoint_layers(model: LlamaForCausalLM) -> None:
+    """Each decoder layer keeps only its inputs in forward and runs its forward again in backward
+    (torch.utils.checkpoint, non-reentrant). The layer's own forward is wrapped, not the module:
+    parameter names stay as they are (the initial weights, federate patterns and checkpoints go by
+    them), and FSDP2's hooks stay on the layer, so its parameters are gathered for the recompute as
+    for any backward (torchtitan's order: checkpoint inside, fully_shard outside)."""
+    for layer in model.model.layers:
+        layer.forward = functools.partial(_recomputed, layer.forward)
+
+
+def _recomputed(forward, *args, **kwargs):
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 @torch.no_grad()

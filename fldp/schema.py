@@ -82,7 +82,7 @@ class ListOf(Spec):
 
     what: str = "a list"
     kind: str = "list"
-    item: Spec | None = None
+    item: Spec = None  # type: ignore[assignment]  # every ListOf names one (keyword-only in spirit)
     length: int | None = None
     min_length: int = 0
 
@@ -93,7 +93,7 @@ class MapOf(Spec):
 
     what: str = "a mapping"
     kind: str = "map"
-    value: Spec | None = None
+    value: Spec = None  # type: ignore[assignment]  # every MapOf names one
     keys: tuple | None = None
 
 
@@ -167,7 +167,9 @@ SCALAR = Spec("a string, number or boolean", lambda v: isinstance(v, (str, int, 
 MESH = Section(fields={d: Int(ge=1) for d in DIMS})
 # The keys of a SLURM cluster config (conf/cluster/slurm.yaml, leonardo.yaml): allowed in one, also
 # forked locally with cluster.launcher=local, needed when it submits; refused on cluster=local.
-SLURM = dict(when=("cluster.launcher", ("slurm", "local")), needed_when=("cluster.launcher", ("slurm",)))
+SLURM: dict[str, Any] = dict(
+    when=("cluster.launcher", ("slurm", "local")), needed_when=("cluster.launcher", ("slurm",))
+)
 FEDAVG = ("algorithm.aggregation", ("fedavg",))  # ... only an aggregating algorithm has
 # topology.layouts: one (F, R, S) per set of dimensions an algorithm can have (fldp_layout's keys)
 LAYOUTS = ("shard", "replicate_shard", "federation_shard", "federation_replicate_shard")
@@ -264,6 +266,8 @@ KEYS: dict[str, Spec] = {
     "model.tie_word_embeddings": Bool(),
     "model.initializer_range": Num(ge=0),
     "model.init_device": Choice("cpu", "meta"),
+    # recompute each decoder layer in backward; optional: a model config written before it means none
+    "model.activation_checkpointing": Choice("none", "full", optional=True),
     # dataset: conf/dataset/*.yaml
     "dataset.name": Text(),
     "dataset.path": Text(),
@@ -452,7 +456,9 @@ class _Check:
     """One pass over a plain config: every problem found, as `key=value: ...` lines."""
 
     def __init__(self, root: dict, sources: dict):
-        self.root, self.sources, self.problems, self.failed = root, sources, [], set()
+        self.root, self.sources = root, sources
+        self.problems: list[str] = []
+        self.failed: set[str] = set()
 
     def bad(self, key: str, value, must: str) -> None:
         origin = f" (from {self.sources[key]})" if key in self.sources else ""
@@ -467,7 +473,7 @@ class _Check:
         return self.lookup(when[0]) in when[1]
 
     def lookup(self, key: str):
-        value = self.root
+        value: Any = self.root
         for part in key.split("."):
             value = value.get(part) if isinstance(value, dict) else None
         return value

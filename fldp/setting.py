@@ -10,6 +10,8 @@ paper's setting through them."""
 
 from __future__ import annotations
 
+from typing import cast
+
 from omegaconf import OmegaConf
 
 from . import CONF
@@ -59,13 +61,16 @@ def defining(config: dict) -> dict:
         and not flat.get("algorithm.streaming.alpha")
     ):
         flat = {k: v for k, v in flat.items() if not k.startswith("algorithm.streaming.")}
+    # the default, as runs recorded before the key existed say by lacking it
+    if flat.get("model.activation_checkpointing") == "none":
+        del flat["model.activation_checkpointing"]
     return {k: v for k, v in flat.items() if k not in OPERATIONAL}
 
 
 def differences(cfg, reference) -> list[str]:
     """`key=value (paper: value)` for each defining key on which two composed configs differ; a
     whole other model or dataset is named once (`model=tiny_llama`), not key by key."""
-    mine, theirs = (defining(OmegaConf.to_container(c, resolve=True)) for c in (cfg, reference))
+    mine, theirs = (defining(cast(dict, OmegaConf.to_container(c, resolve=True))) for c in (cfg, reference))
     keys = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
     other = {k.split(".")[0] for k in keys if k in ("model.name", "dataset.name")}
     return [

@@ -160,7 +160,8 @@ def sharded_model(cfg, vocab_size: int, mesh, device: torch.device):
     `model.init_device` (cpu: built in full, then sharded; meta: only this rank's shard exists)."""
     meta = cfg.model.init_device == "meta"
     model = build_model(llama_config(cfg.model, vocab_size), "meta" if meta else device)
-    model = parallelize(model, mesh, DTYPES[cfg.trainer.precision], cfg.fsdp.reshard_root_after_forward)
+    checkpointing = cfg.model.get("activation_checkpointing", "none")
+    model = parallelize(model, mesh, DTYPES[cfg.trainer.precision], cfg.fsdp.reshard_root_after_forward, checkpointing)
     init_weights(model, device, cfg.seed)
     return model
 
