@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .aggregation import REDUCE_DTYPES, OuterConfig, bucket_indices, federated_mask
+from .memory import for_config
 from .mesh import DIMS, MeshShape
 from .quantize import Quantizer
 from .schedule import aggregation_steps, schedule_of
@@ -525,7 +526,9 @@ def table(cfg) -> list[dict]:
 
     vocab = cfg.model.vocab_size or len(load_tokenizer(str(cfg.dataset.tokenizer)))
     dtype = DTYPES[cfg.trainer.precision]
-    units = model_units(build_model(llama_config(cfg.model, vocab), "meta"), dtype)
+    model = build_model(llama_config(cfg.model, vocab), "meta")
+    units = model_units(model, dtype)
+    capacity = cfg.topology.get("memory_gb")
     measured = paper_step_times() if cfg.topology.name == "leonardo_512" else {}
     rows = []
     algorithms = algorithms_by_layout()
@@ -535,6 +538,7 @@ def table(cfg) -> list[dict]:
         pred = predict_for(cfg, units, bool(algorithms[key].aggregation), shape)
         bandwidth = pred.bandwidth
         paper_total, exact_total = sum(pred.paper.values()), sum(pred.exact.values())
+        memory = for_config(cfg, model, units, shape)
         rows.append(
             {
                 "algorithm": name,
@@ -557,6 +561,9 @@ def table(cfg) -> list[dict]:
                     if pred.aggregation_bytes.get("federation")
                     else None
                 ),
+                **{f"memory_{k.replace(' ', '_')}_bytes": v for k, v in memory.terms.items()},
+                "memory_peak_bytes": memory.peak,
+                "memory_fits": memory.peak <= capacity * 1e9 if capacity else None,
             }
         )
     return rows
@@ -633,7 +640,29 @@ def tables(cfg, rows) -> list:
                 rows,
             )
         )
-    return out + [_table("Bytes sent per rank per training step ('exact')", sent, rows)]
+    return out + [_table("Bytes sent per rank per training step ('exact')", sent, rows), _memory_table(cfg, rows)]
+
+
+def _memory_table(cfg, rows):
+    """fldp/memory.py's terms at the peak, grouped, and whether it fits topology.memory_gb."""
+
+    def col(*terms):
+        return [sum(r[f"memory_{t}_bytes"] for t in terms) / 1e9 for r in rows]
+
+    columns = [
+        ("params + optim. [GB]", col("parameters", "optimizer")),
+        ("outer [GB]", col("outer")),
+        ("gathered [GB]", col("root_unit_gathered", "next_layer_gathered")),
+        ("activ. + loss [GB]", col("activations", "loss_backward")),
+        ("peak [GB]", [r["memory_peak_bytes"] / 1e9 for r in rows]),
+    ]
+    capacity = cfg.topology.get("memory_gb")
+    if capacity:
+        columns.append((f"fits {capacity:g} GB", ["yes" if r["memory_fits"] else "no" for r in rows]))
+    checkpointing = cfg.model.get("activation_checkpointing", "none")
+    return _table(
+        f"Memory per rank at its peak (fldp/memory.py; activation checkpointing: {checkpointing})", columns, rows
+    )
 
 
 def _print_table(cfg, rows) -> None:

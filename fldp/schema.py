@@ -223,6 +223,8 @@ KEYS: dict[str, Spec] = {
     "topology.nodes": Int(ge=1),
     "topology.procs_per_node": Int(ge=1),
     "topology.device": Choice("cpu", "cuda"),
+    # bytes per device, in GB (1e9): whether a layout fits (fldp/memory.py); absent: not said
+    "topology.memory_gb": Num(gt=0, null=True, optional=True),
     "topology.layouts": MapOf("a mapping of dimensions to {federation, replicate, shard}", value=MESH, keys=LAYOUTS),
     "topology.precision": Choice("fp32", "bf16"),
     "topology.network": ListOf(

@@ -36,7 +36,7 @@ def outputs(tmp_path_factory):
 def _expected_cells(row: dict) -> list[list]:
     """What each of the four tables shows for an algorithm, from its unrounded row: mesh and B
     [Gbit/s], aggregations per step, the paper's step; seconds 'paper', seconds 'exact' and their
-    ratio; bytes in GB."""
+    ratio; bytes in GB; memory per rank in GB and whether it fits the A100's 64 GB."""
 
     def f(key):
         return float(row[key]) if row[key] not in ("", None) else None
@@ -61,6 +61,14 @@ def _expected_cells(row: dict) -> list[list]:
         phases("paper"),
         phases("exact") + [f("exact_over_paper")],
         [f(f"bytes_{d}_per_step") / 1e9 for d in ("shard", "replicate", "federation")],
+        [
+            (f("memory_parameters_bytes") + f("memory_optimizer_bytes")) / 1e9,
+            f("memory_outer_bytes") / 1e9,
+            (f("memory_root_unit_gathered_bytes") + f("memory_next_layer_gathered_bytes")) / 1e9,
+            (f("memory_activations_bytes") + f("memory_loss_backward_bytes")) / 1e9,
+            f("memory_peak_bytes") / 1e9,
+            "yes" if row["memory_fits"] == "True" else "no",
+        ],
     ]
 
 
@@ -81,7 +89,9 @@ def test_csv_and_json_hold_the_numbers_the_table_shows(outputs):
         for key, value in as_json[algo].items():  # the same numbers in both
             text = rows[algo][key]
             assert (
-                text == value if isinstance(value, str) else (text == "" if value is None else float(text) == value)
+                text == str(value)
+                if isinstance(value, (str, bool))
+                else (text == "" if value is None else float(text) == value)
             ), (algo, key, text, value)
     lines = outputs["table"].stdout.splitlines()
     for algo in ALGORITHMS:
