@@ -1,0 +1,237 @@
+"""fldp-plan: which layout to run. Every (F, R, S) the topology's ranks allow, and A from a list,
+with the memory per rank (fldp/memory.py), checked against topology.memory_gb, and the
+communication per step (fldp/cost.py's 'exact' variant: ring collectives at each tier's bandwidth,
+aggregations amortised). Layouts that do not fit are dropped, saying why; the rest are ranked by
+predicted communication time per step. Every layout computes the same tokens per rank per step,
+so the compute adds the same to each; what the ranking cannot see is what the cost model leaves
+out (overlap with compute, a node's NIC shared by its ranks, latency, efficiency across many
+nodes: issue 31's calibrated step-time model, not built yet), so read it as a shortlist to run.
+
+    fldp-plan topology=leonardo_512 model=llama3_1_8b [--every 4,8,16] [--top 3] [--json]
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import sys
+from dataclasses import asdict, dataclass
+
+from .errors import ConfigError
+from .mesh import MeshShape
+
+BY_DIMS = {(False, False): "fsdp", (False, True): "hsdp", (True, False): "fl_fsdp", (True, True): "fl_hsdp"}
+
+
+@dataclass
+class Candidate:
+    algorithm: str
+    federation: int
+    replicate: int
+    shard: int
+    every: int | None
+    communication_s: float  # per step, 'exact'
+    bytes_per_step: dict
+    memory_gb: float
+    fits: bool | None
+    why_not: str = ""
+
+    @property
+    def mesh(self) -> str:
+        return f"{self.federation}x{self.replicate}x{self.shard}"
+
+
+def layouts(world: int) -> list[MeshShape]:
+    """Every (F, R, S) with F x R x S = world."""
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    return [MeshShape(f, r, world // (f * r)) for f, r in itertools.product(divisors, divisors) if world % (f * r) == 0]
+
+
+def compose(overrides: list[str]) -> dict:
+    """The config of each algorithm with the user's overrides (algorithm.* keys only for the
+    federated ones, which have them), checked as fldp-train checks them."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from . import CONF
+    from .schema import check
+
+    common = [o for o in overrides if not o.lstrip("+~").startswith("algorithm")]
+    federated = [o for o in overrides if o.lstrip("+~").startswith("algorithm.")]
+    out = {}
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        for name in BY_DIMS.values():
+            extra = federated if name.startswith("fl_") else []
+            cfg = hydra_compose("config", overrides=[f"algorithm={name}", *common, *extra])
+            check(cfg)
+            out[name] = cfg
+    return out
+
+
+def candidates(configs: dict, everies: list[int]) -> list[Candidate]:
+    """Each layout of the topology, with each A where it federates."""
+    from omegaconf import open_dict
+
+    from .cost import model_units, predict_for
+    from .data import load_tokenizer
+    from .memory import for_config
+    from .model import DTYPES, build_model, llama_config
+
+    cfg = configs["fsdp"]
+    vocab = cfg.model.vocab_size or len(load_tokenizer(str(cfg.dataset.tokenizer)))
+    model = build_model(llama_config(cfg.model, vocab), "meta")
+    units = model_units(model, DTYPES[cfg.trainer.precision])
+    capacity = cfg.topology.get("memory_gb")
+    out = []
+    for shape in layouts(cfg.topology.nodes * cfg.topology.procs_per_node):
+        name = BY_DIMS[(shape.federation > 1, shape.replicate > 1)]
+        for every in everies if shape.federation > 1 else [None]:
+            chosen = copy.deepcopy(configs[name])
+            if every is not None:
+                with open_dict(chosen):
+                    chosen.algorithm.every = every
+            pred = predict_for(chosen, units, shape.federation > 1, shape)
+            memory = for_config(chosen, model, units, shape)
+            fits = memory.peak <= capacity * 1e9 if capacity else None
+            why = "" if fits is not False else _why_not(memory, capacity)
+            out.append(
+                Candidate(
+                    name,
+                    shape.federation,
+                    shape.replicate,
+                    shape.shard,
+                    every,
+                    sum(pred.exact.values()),
+                    dict(pred.bytes_per_step),
+                    memory.peak / 1e9,
+                    fits,
+                    why,
+                )
+            )
+    return out
+
+
+def _why_not(memory, capacity: float) -> str:
+    largest = sorted(memory.terms.items(), key=lambda kv: -kv[1])[:3]
+    return f"{memory.peak / 1e9:.1f} GB > {capacity:g} GB (" + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in largest) + ")"
+
+
+def ranked(found: list[Candidate]) -> tuple[list[Candidate], list[Candidate]]:
+    """Those that fit (or whose topology says no capacity), fastest first; those that do not."""
+    fitting = sorted((c for c in found if c.fits is not False), key=lambda c: (c.communication_s, c.memory_gb))
+    return fitting, [c for c in found if c.fits is False]
+
+
+def command(c: Candidate, cfg, overrides: list[str]) -> str:
+    """The Hydra multirun that runs a layout over three seeds."""
+    every = [f"algorithm.every={c.every}"] if c.every is not None else []
+    mesh = [f"mesh.federation={c.federation}", f"mesh.replicate={c.replicate}", f"mesh.shard={c.shard}"]
+    rest = [o for o in overrides if not o.startswith(("algorithm=", "mesh.", "algorithm.every="))]
+    return " ".join(["fldp-train -m", f"algorithm={c.algorithm}", *rest, *mesh, *every, "seed=1,2,3"])
+
+
+def table(fitting: list[Candidate], tokens_per_step: int, capacity):
+    from rich import box
+    from rich.table import Table
+
+    t = Table(title="Layouts that fit, fastest communication first", title_justify="left", box=box.SIMPLE_HEAD)
+    for header in (
+        "#",
+        "algorithm",
+        "mesh FxRxS",
+        "A",
+        "comm [s/step]",
+        "comm [us/token]",
+        "shard [GB]",
+        "replicate [GB]",
+        "federation [GB]",
+        "memory [GB]",
+    ):
+        t.add_column(header, justify="left" if header in ("algorithm", "mesh FxRxS") else "right")
+    for i, c in enumerate(fitting, 1):
+        sent = [f"{c.bytes_per_step[d] / 1e9:.3g}" for d in ("shard", "replicate", "federation")]
+        t.add_row(
+            str(i),
+            c.algorithm,
+            c.mesh,
+            str(c.every or "-"),
+            f"{c.communication_s:.4g}",
+            f"{c.communication_s / tokens_per_step * 1e6:.3g}",
+            *sent,
+            f"{c.memory_gb:.3g}" + ("" if capacity else " (no limit)"),
+        )
+    return t
+
+
+def _options(argv: list[str]) -> tuple[list[int], int, bool, list[str]]:
+    """--every A,B,... (default 4,8,16), --top K (default 3), --json; the rest are Hydra overrides."""
+    everies, top, as_json, rest = [4, 8, 16], 3, False, []
+    args = iter(argv)
+    for a in args:
+        if a in ("--every", "--top"):
+            value = next(args, None)
+            try:
+                parsed = [int(v) for v in (value or "").split(",")]
+            except ValueError:
+                parsed = []
+            if not parsed or min(parsed) < 1:
+                raise ConfigError(
+                    f"{a} {value}: expects {'integers >= 1, comma separated' if a == '--every' else 'an integer >= 1'}"
+                )
+            everies, top = (parsed, top) if a == "--every" else (everies, parsed[0])
+        elif a == "--json":
+            as_json = True
+        else:
+            rest.append(a)
+    return everies, top, as_json, rest
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        return
+    from hydra.errors import HydraException
+
+    try:
+        everies, top, as_json, overrides = _options(argv)
+        configs = compose(overrides)
+    except (ConfigError, HydraException) as e:
+        print(f"fldp-plan: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    found = candidates(configs, everies)
+    fitting, dropped = ranked(found)
+    if as_json:
+        print(json.dumps([{**asdict(c), "mesh": c.mesh} for c in fitting + dropped], indent=1))
+        return
+    _print(configs["fsdp"], fitting, dropped, top, overrides)
+
+
+def _print(cfg, fitting, dropped, top: int, overrides: list[str]) -> None:
+    from rich.console import Console
+
+    console = Console(highlight=False, markup=False)
+    capacity = cfg.topology.get("memory_gb")
+    world = cfg.topology.nodes * cfg.topology.procs_per_node
+    tokens = world * cfg.trainer.batch_size * cfg.dataset.block_size
+    console.print(
+        f"fldp-plan: model={cfg.model.name} ({cfg.trainer.precision}), topology={cfg.topology.name} "
+        f"({world} ranks), memory per rank {'<= ' + format(capacity, 'g') + ' GB' if capacity else 'not limited (topology.memory_gb unset)'}."
+    )
+    console.print(table(fitting, tokens, capacity))
+    if dropped:
+        console.print(f"Dropped, not fitting in memory ({len(dropped)}):")
+        for c in dropped:
+            console.print(f"  {c.algorithm} {c.mesh}" + (f" A={c.every}" if c.every else "") + f": {c.why_not}")
+    console.print(
+        "Communication only: every layout computes the same tokens per rank per step; the "
+        "compute time, not modelled yet, adds the same to each."
+    )
+    console.print(f"The top {min(top, len(fitting))}, each as a multirun over 3 seeds:")
+    for c in fitting[:top]:
+        console.print("  " + command(c, cfg, overrides))
+
+
+if __name__ == "__main__":
+    main()
