@@ -235,53 +235,33 @@ def test_emulated_tiers_slow_collectives_down(tmp_path):
     assert summary["network"] == "sleep"
 
 
-def test_cost_cli_prints_table_and_json(tmp_path):
-    import subprocess
-    import sys
+def test_cost_rows_for_the_paper_setting():
+    """fldp-cost's rows (what --json prints; tests/test_cost_cli.py runs the installed command)."""
+    from fldp.cost import table
 
-    run = lambda *a: subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fldp.cost",
-            "topology=leonardo_512",  # noqa: E731
-            "model=llama3_1_8b",
-            *a,
-        ],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-    )
-    text = run()
-    assert text.returncode == 0, text.stderr[-2000:]
-    assert "the paper measured (its Table 4" in text.stdout and "fl_hsdp" in text.stdout
-    rows = {r["algorithm"]: r for r in json.loads(run("--json").stdout)}
+    def run(*overrides):
+        return {r["algorithm"]: r for r in table(compose_cfg("topology=leonardo_512", "model=llama3_1_8b", *overrides))}
+
+    rows = run()
     assert rows["fsdp"]["mesh"] == "1x1x512" and rows["fl_hsdp"]["mesh"] == "16x8x4"
     # (S-1) M vs (S-1) M / S on one tier (FSDP2 pads the 128,256-row embedding to a multiple of 512),
     # less the root's second all-gather (FSDP1's root policy): embeddings + lm_head + norm of 8.03 B
     root, total = 2 * 128_256 * 4096 + 4096, 8_030_261_248
     assert rows["fsdp"]["exact_over_paper"] == pytest.approx(512 * (3 * total - root) / (3 * total), rel=1e-3)
-    resharded = {r["algorithm"]: r for r in json.loads(run("--json", "fsdp.reshard_root_after_forward=true").stdout)}
+    resharded = run("fsdp.reshard_root_after_forward=true")
     assert resharded["fsdp"]["exact_over_paper"] == pytest.approx(512, rel=1e-3)
     assert rows["fl_fsdp"]["measured_step_s"] == 1.45
     # the schedule, partial federation and reduce dtype of the configured algorithm: 1..16, 24, ..., 64 is
     # 22 aggregations in 64 steps (8 with A=8), the decoder layers only (S=4 splits every parameter
     # evenly), in fp32 (twice bf16's bytes)
-    other = {
-        r["algorithm"]: r
-        for r in json.loads(
-            run(
-                "--json",
-                "algorithm=fl_fsdp",
-                "algorithm.every=[[0,1],[16,8]]",
-                "algorithm.federate=[model\\.layers\\..*]",
-                "algorithm.outer.reduce_dtype=fp32",
-            ).stdout
-        )
-    }
+    other = run(
+        "algorithm=fl_fsdp",
+        "algorithm.every=[[0,1],[16,8]]",
+        "algorithm.federate=[model\\.layers\\..*]",
+        "algorithm.outer.reduce_dtype=fp32",
+    )
     layers = (total - root) / total
     assert other["fl_fsdp"]["bytes_federation_per_step"] / rows["fl_fsdp"][
         "bytes_federation_per_step"
     ] == pytest.approx(22 / 8 * layers * 2, rel=1e-12)
     assert other["fl_fsdp"]["aggregations_per_step"] == 22 / 64
-    assert not list(tmp_path.iterdir())  # a calculation writes no run directory

@@ -30,6 +30,7 @@ def outputs(tmp_path_factory):
     }
     for fmt, proc in done.items():
         assert proc.returncode == 0, f"{fmt}: {proc.stderr[-2000:]}"
+    assert not list(tmp.iterdir())  # a calculation writes no run directory
     return done
 
 
