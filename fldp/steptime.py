@@ -1,0 +1,139 @@
+"""A step-time model by phase (forward, backward, optimizer, aggregation: the run's own records'
+names), to set beside the paper's Table 4 (issue 31, item 1; first version, not yet calibrated on
+a machine).
+
+Terms, per GPU and step:
+- compute: the model's FLOPs (2 per parameter and token in forward, twice that in backward, plus
+  causal attention) at a sustained fraction `compute` of the GPU's peak;
+- FSDP's all-gathers and reduce-scatters per unit, and HSDP's all-reduce of the gradient shards
+  over the replicas, overlapped with compute as FSDP2 prefetches: each decoder layer costs the
+  larger of its compute and its collectives; the root unit's gather is exposed before forward
+  (it is then held to backward) and its reduction after backward;
+- a collective: bytes per rank (a ring's: (n-1)/n of the message per all-gather or reduce-scatter,
+  twice that per all-reduce) over a bandwidth, plus a latency per ring step (alpha-beta, Thakur,
+  Rabenseifner and Gropp 2005). Inside a node: NVLink. Across nodes: a flow gets one NIC port,
+  or its share of the node's NICs when more flows cross at once (the node's 400 Gbit/s shared by
+  its 4 GPUs), times an efficiency that falls with the nodes the collective spans:
+  `network` x nodes^-`span` (MiCS: collectives over more nodes reach less of the link);
+- the optimizer: AdamW reads parameters, gradients and two moments and writes three, at HBM speed;
+- the aggregation: the federated shards' all-reduce over the groups every A steps, amortised.
+The free terms (`Efficiency`) are fitted to measured phase times (analysis/steptime_fit.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Published figures of one node type (defaults: CINECA Leonardo Booster, 4 x A100 64 GB)."""
+
+    peak_flops: float = 312e12  # A100 bf16 dense
+    nvlink: float = 100e9  # bytes/s per GPU inside a node (4 x 200 Gbit/s)
+    port: float = 12.5e9  # one HDR100 NIC port, bytes/s
+    nic: float = 50e9  # a node's 2 x dual-port HDR100 = 400 Gbit/s
+    hbm: float = 1.6e12  # bytes/s
+    gpus_per_node: int = 4
+    latency: float = 10e-6  # seconds per ring step across nodes
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """What the published figures do not say: fitted."""
+
+    compute: float = 0.5  # sustained share of peak FLOPs
+    network: float = 0.5  # share of a flow's bandwidth a collective over 1 node pair reaches
+    span: float = 0.05  # efficiency ~ nodes^-span
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One step of one GPU: the model's parameters by FSDP unit (bytes, the root last), its FLOPs
+    per token, the tokens per GPU and the parameter bytes per element."""
+
+    unit_bytes: tuple[float, ...]
+    flops_per_token: float
+    tokens: int
+    element: int = 2
+
+
+def flops_per_token(params: int, embedding: int, layers: int, hidden: int, seq: int) -> float:
+    """Forward FLOPs per token: 2 per weight used in a matmul (the embedding lookup is not one) and
+    causal attention's two products (2 x 2 x seq/2 x hidden per layer)."""
+    return 2 * (params - embedding) + 2 * layers * seq * hidden
+
+
+def ring(kind: str, nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+    """Seconds of a ring all-gather or reduce-scatter of an `nbytes` message over n ranks:
+    (n-1)/n of it per rank, n-1 steps (alpha-beta)."""
+    return 0.0 if n <= 1 else nbytes * (n - 1) / n / bandwidth + (n - 1) * latency
+
+
+def all_reduce(nbytes: float, n: int, bandwidth: float, latency: float, across_nodes: bool) -> float:
+    """Seconds of an all-reduce: 2 (n-1)/n of the message per rank, as a ring or NCCL's double
+    binary tree sends it; across nodes NCCL's tuning picks the tree at this scale, whose latency
+    grows with log2 n and whose bandwidth does not fall with the ring's span."""
+    if n <= 1:
+        return 0.0
+    steps = 2 * math.ceil(math.log2(n)) if across_nodes else 2 * (n - 1)
+    return nbytes * 2 * (n - 1) / n / bandwidth + steps * latency
+
+
+@dataclass(frozen=True)
+class Link:
+    """What a mesh dimension's collectives get per rank: bytes/s, latency per step, and the nodes
+    they span (1: inside a node)."""
+
+    bandwidth: float
+    latency: float
+    nodes: int
+
+
+def dim_link(dim: str, shape, hw: Hardware, eff: Efficiency) -> Link:
+    """A mesh dimension's link, ranks node-major: NVLink inside a node; across nodes one NIC port
+    per flow, or its share of the node's NICs when more of the dimension's groups cross at once."""
+    size, stride = {
+        "shard": (shape.shard, 1),
+        "replicate": (shape.replicate, shape.shard),
+        "federation": (shape.federation, shape.replicate * shape.shard),
+    }[dim]
+    g = hw.gpus_per_node
+    if size <= 1 or size * stride <= g:
+        return Link(hw.nvlink * eff.network, 0.0, 1)
+    flows = min(stride, g)  # the dimension's groups in a node, each crossing it once per ring
+    nodes = min(size, math.ceil(size * stride / g))
+    # a collective over more nodes reaches less of its link (MiCS): nodes^-span
+    return Link(min(hw.port, hw.nic / flows) * eff.network * nodes ** (-eff.span), hw.latency, nodes)
+
+
+def phases(work: Workload, shape, every: int | None, hw: Hardware, eff: Efficiency) -> dict[str, float]:
+    """Seconds per phase of one step (aggregation amortised over A steps)."""
+    *layers, root = work.unit_bytes
+    shard, replicate = dim_link("shard", shape, hw, eff), dim_link("replicate", shape, hw, eff)
+    S, R = shape.shard, shape.replicate
+
+    def gather(unit):  # the all-gather of a unit's parameters (or reduce-scatter of its gradients)
+        return ring("all_gather", unit, S, shard.bandwidth, shard.latency)
+
+    def replicas(unit):  # HSDP: the gradient shard all-reduced over the replicas
+        return all_reduce(unit / S, R, replicate.bandwidth, replicate.latency, replicate.nodes > 1)
+
+    compute = work.flops_per_token * work.tokens / (hw.peak_flops * eff.compute)
+    per_layer = compute / len(layers)
+    forward = gather(root) + sum(max(per_layer, gather(u)) for u in layers)
+    # FSDP2 gathers on one stream and reduce-scatters, then all-reduces, on another: on one link
+    # they share it; the replicas' all-reduce on the NIC runs beside NVLink's gathers
+    backward = sum(
+        max(2 * per_layer, gather(u) + gather(u) if replicate.nodes == 1 else max(gather(u), gather(u) + replicas(u)))
+        for u in layers
+    )
+    backward += gather(root) + replicas(root)
+    shard_bytes = sum(work.unit_bytes) / S
+    optimizer = 7 * shard_bytes / hw.hbm  # AdamW: reads 4 tensors of the shard, writes 3
+    aggregation = 0.0
+    if every and shape.federation > 1:
+        fed = dim_link("federation", shape, hw, eff)
+        aggregation = all_reduce(shard_bytes, shape.federation, fed.bandwidth, fed.latency, fed.nodes > 1) / every
+    return {"forward": forward, "backward": backward, "optimizer": optimizer, "aggregation": aggregation}

@@ -1,0 +1,62 @@
+"""The step-time model's terms (fldp/steptime.py) against values written from their definitions,
+and its fit beside Table 4 (analysis/steptime_fit.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fldp.mesh import MeshShape
+from fldp.steptime import Efficiency, Hardware, Workload, all_reduce, dim_link, phases, ring
+
+HW = Hardware()
+FULL = Efficiency(compute=1.0, network=1.0, span=0.0)
+
+
+def test_alpha_beta_of_a_ring_and_a_tree():
+    # 1 GB over 4 ranks at 10 GB/s, 1 ms a step: 3/4 GB / 10 GB/s + 3 steps
+    assert ring("all_gather", 1e9, 4, 10e9, 1e-3) == pytest.approx(0.075 + 0.003)
+    # all-reduce: twice the ring's bytes; 2 (n-1) steps in a node, 2 ceil(log2 n) across nodes
+    assert all_reduce(1e9, 4, 10e9, 1e-3, across_nodes=False) == pytest.approx(0.15 + 0.006)
+    assert all_reduce(1e9, 128, 10e9, 1e-3, across_nodes=True) == pytest.approx(2 * 127 / 128 * 0.1 + 0.014)
+    assert ring("all_gather", 1e9, 1, 10e9, 1e-3) == all_reduce(1e9, 1, 10e9, 1e-3, True) == 0.0
+
+
+@pytest.mark.parametrize(
+    "shape,dim,bandwidth,nodes",
+    [
+        (MeshShape(1, 128, 4), "shard", 100e9, 1),  # NVLink inside the node
+        (MeshShape(1, 1, 512), "shard", 12.5e9, 128),  # one ring: one flow per node, one NIC port
+        (MeshShape(1, 128, 4), "replicate", 12.5e9, 128),  # 4 rings: the node's 50 GB/s over 4
+        (MeshShape(1, 512, 1), "replicate", 12.5e9, 128),
+        (MeshShape(16, 8, 4), "federation", 12.5e9, 16),
+        (MeshShape(1, 2, 2), "replicate", 100e9, 1),
+    ],
+)
+def test_a_dimensions_link(shape, dim, bandwidth, nodes):
+    link = dim_link(dim, shape, HW, FULL)
+    assert (link.bandwidth, link.nodes) == (bandwidth, nodes)
+    assert dim_link(dim, shape, HW, Efficiency(1.0, 0.5, 0.5)).bandwidth == pytest.approx(bandwidth / 2 * nodes**-0.5)
+
+
+def test_one_rank_is_compute_and_the_optimizer():
+    work = Workload(unit_bytes=(1e9, 1e9, 2e9), flops_per_token=1e10, tokens=4096)
+    got = phases(work, MeshShape(1, 1, 1), None, HW, FULL)
+    compute = 1e10 * 4096 / 312e12
+    assert got["forward"] == pytest.approx(compute) and got["backward"] == pytest.approx(2 * compute)
+    assert got["optimizer"] == pytest.approx(7 * 4e9 / 1.6e12) and got["aggregation"] == 0.0
+
+
+def test_communication_bound_layers_cost_their_collectives():
+    # 2 layers of 1 GB, S = 512 over 128 nodes at 12.5 GB/s, no compute to hide behind
+    work = Workload(unit_bytes=(1e9, 1e9, 0.0), flops_per_token=0.0, tokens=1)
+    got = phases(work, MeshShape(1, 1, 512), None, Hardware(latency=0.0), FULL)
+    gather = 1e9 * 511 / 512 / 12.5e9
+    assert got["forward"] == pytest.approx(2 * gather) and got["backward"] == pytest.approx(4 * gather)
+
+
+def test_the_fit_beside_table_4_predicts_every_row():
+    from analysis.steptime_fit import LAYOUTS, rows
+
+    found = rows()
+    assert {(r["algorithm"], r["fit"]) for r in found} == {(a, f) for a in LAYOUTS for f in ("left out", "all four")}
+    assert all(r["overall"] > 0 and 0.05 <= r["compute"] <= 1 for r in found)
