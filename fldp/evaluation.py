@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,7 +60,7 @@ def eval_row(model, cfg, blocks: Blocks, device, step: int, fedavg, groups_diffe
     groups' own losses: their "average" would keep each group's local parameters, no one model."""
     if not (groups_differ or partial):
         (loss,), eval_time = evaluate(model, cfg, blocks, device)
-        extra = {"eval_of": ONE_MODEL}
+        extra: dict[str, Any] = {"eval_of": ONE_MODEL}
     else:
         group_losses, eval_time = evaluate(model, cfg, blocks, device, groups=fedavg.shape.federation)
         extra = {"group_perplexity": [math.exp(x) for x in group_losses]}

@@ -5,7 +5,8 @@ federation group G SIGKILL itself: after step N is recorded (`step`, the default
 in an elastic run (fldp/elastic.py), as step N's aggregation begins (`aggregation`: before its
 quorum), inside it (`allreduce`: in the quorum, before the all-reduce) or as the group starts
 (`start`, no step). A restarted group's ranks fail again only with repeat=true. Each rank prints
-the moment it dies (unix time) on stderr first: the benchmark's start of a failure.
+the moment it dies (unix time) on stderr first: the benchmark's start of a failure. The trainer
+reaches these points through Drills; fldp.elastic strikes at `allreduce` itself.
 """
 
 from __future__ import annotations

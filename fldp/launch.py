@@ -183,7 +183,7 @@ def run_local(fn, args: tuple, world: int, device_type: str, cluster_cfg, networ
         ctx.Process(target=_local_worker, name=f"fldp-rank{i}", args=(i, fn, args, *rank_args, os.getpid(), network))
         for i in range(world)
     ]
-    deaths = []  # (rank, exitcode) of the first workers seen to fail
+    deaths: list[tuple[int, int]] = []  # (rank, exitcode) of the first workers seen to fail
     with _Interrupts(procs) as interrupts:
         try:
             if network is not None:

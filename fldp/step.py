@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import math
 import time
+from typing import Any
 
 import torch
 
@@ -34,7 +35,7 @@ class PhaseTimer:
         return time.perf_counter()
 
     def start(self) -> None:
-        self.times = {}
+        self.times: dict[str, float] = {}
         self.t0 = self.last = self._now()
 
     def lap(self, phase: str) -> None:
@@ -55,7 +56,7 @@ class TrainingState:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    fedavg: object = None
+    fedavg: Any = None  # fldp.aggregation.FedAvg
     position: dict = dataclasses.field(default_factory=lambda: {"step": 0})
 
     @property
@@ -79,7 +80,7 @@ class StepOutcome:
 
     step: int
     loss: torch.Tensor
-    lr: float
+    lr: float | torch.Tensor  # the scheduler's, as it gives it
     times: dict  # seconds per phase (fldp.records.PHASES)
     time_step: float
     comm: dict  # the meter's counters ({} without one)

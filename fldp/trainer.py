@@ -12,6 +12,7 @@ import dataclasses
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -82,7 +83,7 @@ class Placement:
 
     shape: MeshShape
     local_shape: MeshShape
-    mesh: object  # torch's DeviceMesh over local_shape
+    mesh: Any  # torch's DeviceMesh over local_shape
     rank: int
     steps: int
     tokens_per_step: int
@@ -164,7 +165,9 @@ class Checkpoints:
 
     def resume(self, run_dir: str, resume) -> None:
         """trainer.resume=auto: the state of the run's latest complete checkpoint, if any."""
-        saved = latest(run_dir) if self.checkpointer is not None and resume == "auto" else None
+        if self.checkpointer is None or resume != "auto":
+            return
+        saved = latest(run_dir)
         if saved is not None:
             s = self.state
             s.step = self.checkpointer.load(saved, s.model, s.optimizer, s.scheduler)
@@ -196,7 +199,8 @@ class RunRecords:
 
     def __init__(self, recorder: Recorder | None):
         self.recorder = recorder
-        self.train_time, self.last_row = (recorder.train_time, recorder.last_row) if recorder else (0.0, {})
+        self.train_time: float = recorder.train_time if recorder else 0.0
+        self.last_row: dict = recorder.last_row if recorder else {}
 
     @classmethod
     def open(cls, cfg, run_dir: str, place: Placement, member, start: int) -> RunRecords:
