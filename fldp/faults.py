@@ -5,7 +5,8 @@ federation group G SIGKILL itself: after step N is recorded (`step`, the default
 in an elastic run (fldp/elastic.py), as step N's aggregation begins (`aggregation`: before its
 quorum), inside it (`allreduce`: in the quorum, before the all-reduce) or as the group starts
 (`start`, no step). A restarted group's ranks fail again only with repeat=true. Each rank prints
-the moment it dies (unix time) on stderr first: the benchmark's start of a failure.
+the moment it dies (unix time) on stderr first: the benchmark's start of a failure. The trainer
+reaches these points through Drills; fldp.elastic strikes at `allreduce` itself.
 """
 
 from __future__ import annotations
@@ -37,3 +38,24 @@ def strike(group: int, incarnation: int, step: int | None, at: str) -> None:
             flush=True,
         )
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Drills:
+    """The points of a training run where FLDP_FAULT may kill this rank, of federation group
+    `group` in its `incarnation`-th start (0: the first). Only an elastic run has the points
+    `start` and `aggregation`: its supervisor restarts a group."""
+
+    def __init__(self, group: int, incarnation: int = 0, elastic: bool = False):
+        self.group, self.incarnation, self.elastic = group, incarnation, elastic
+
+    def start(self) -> None:
+        if self.elastic:
+            strike(self.group, self.incarnation, None, "start")
+
+    def aggregation(self, step: int) -> None:
+        if self.elastic:
+            strike(self.group, self.incarnation, step, "aggregation")
+
+    def step(self, step: int) -> None:
+        """After step `step` is recorded."""
+        strike(self.group, self.incarnation, step, "step")

@@ -174,37 +174,16 @@ def run_local(fn, args: tuple, world: int, device_type: str, cluster_cfg, networ
 
     When a worker fails, the others are stopped and the error raised is the FIRST one: once a rank
     dies its peers fail too, with "connection closed by peer", which says nothing of the cause."""
-    if network is not None:
-        addr = network.master_addr
-        port = cluster_cfg.master_port or network.port
-    else:
-        addr = cluster_cfg.master_addr
-        port = cluster_cfg.master_port or free_port(addr)
+    addr, port = _rendezvous_of(cluster_cfg, network)
     stop_tqdm_monitors()
     ctx = mp.get_context("fork")
     errors = ctx.SimpleQueue()
+    rank_args = (world, addr, port, device_type, cluster_cfg.timeout_s, cluster_cfg.threads_per_worker, errors)
     procs = [
-        ctx.Process(
-            target=_local_worker,
-            name=f"fldp-rank{i}",
-            args=(
-                i,
-                fn,
-                args,
-                world,
-                addr,
-                port,
-                device_type,
-                cluster_cfg.timeout_s,
-                cluster_cfg.threads_per_worker,
-                errors,
-                os.getpid(),
-                network,
-            ),
-        )
+        ctx.Process(target=_local_worker, name=f"fldp-rank{i}", args=(i, fn, args, *rank_args, os.getpid(), network))
         for i in range(world)
     ]
-    deaths = []  # (rank, exitcode) of the first workers seen to fail
+    deaths: list[tuple[int, int]] = []  # (rank, exitcode) of the first workers seen to fail
     with _Interrupts(procs) as interrupts:
         try:
             if network is not None:
@@ -224,7 +203,21 @@ def run_local(fn, args: tuple, world: int, device_type: str, cluster_cfg, networ
                 network.destroy()
     if interrupts.signum:  # the workers' errors are the stop's, not a cause
         raise Interrupted(interrupts.signum)
-    failures = sorted(_drain(errors))  # (time, rank, report, plain), earliest first
+    _raise_first_failure(sorted(_drain(errors)), deaths)
+
+
+def _rendezvous_of(cluster_cfg, network) -> tuple[str, int]:
+    """Where the forked workers meet: rank 0's node on emulated nodes, else cluster.master_addr;
+    cluster.master_port, or a free port."""
+    if network is not None:
+        return network.master_addr, cluster_cfg.master_port or network.port
+    addr = cluster_cfg.master_addr
+    return addr, cluster_cfg.master_port or free_port(addr)
+
+
+def _raise_first_failure(failures: list, deaths: list) -> None:
+    """The WorkerError of the earliest failure: `failures` (time, rank, report, plain), earliest
+    first, as the workers reported them; `deaths` (rank, exitcode) as the launcher saw them."""
     reported = {rank for _, rank, _, _ in failures}
     after = f"\n({len(failures)} other ranks failed after it)" if failures else ""
     # a rank killed outright (SIGKILL, OOM) leaves no traceback; its peers' errors come after

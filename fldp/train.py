@@ -25,6 +25,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
 
 from . import CONF, netns, schema, slurm, sweep
 from .errors import ConfigError, Interrupted, WorkerError, WriteError
@@ -181,77 +182,106 @@ def _group_rank(cfg, run_dir, blocks, member, device):
 
 
 def run(cfg: DictConfig, run_dir: str, sweep_point: bool = False) -> dict | None:
-    import torch.distributed as dist
-
+    """Validate the config, then run it where cluster and launcher say: simulated in this process,
+    submitted to SLURM, on workers forked here, or as one rank of a world torchrun or srun started."""
     from . import launch
-    from .checkpoint import discard_incomplete
-    from .data import prepare
 
     shape = validate(cfg)
     check_wandb_login(cfg)
     env = launch.from_environment()
     if simulates(cfg):  # every federation group in this process
-        check_run_dir(cfg, shape, run_dir)
-        blocks = prepare(cfg.dataset)
-        check_vocab(cfg, blocks)
-        check_blocks(cfg, blocks, shape.world)
-        from . import simulate
-
-        log.info(
-            "%s simulated in one process: mesh %s (federation x replicate x shard), records in %s",
-            cfg.algorithm.name,
-            shape,
-            run_dir,
-        )
-        return simulate.run(cfg, run_dir, blocks)
+        return run_simulated(cfg, run_dir, shape)
     if env is None and slurm.submits(cfg):  # one SLURM job; the ranks run this function again inside it
         check_run_dir(cfg, shape, run_dir)
         # fldp.train.run by reference: under `python -m fldp.train` this module is __main__, whose
         # functions cloudpickle would copy by value into the job
         return slurm.submit(cfg, run_dir, shape, importlib.import_module("fldp.train").run, sweep_point)
     if env is None:
-        check_run_dir(cfg, shape, run_dir)
-        blocks = prepare(cfg.dataset)
-        check_vocab(cfg, blocks)
-        check_blocks(cfg, blocks, shape.world)
-        from . import trainer  # noqa: F401  (import once here, not in each of the forked workers)
+        return run_forked(cfg, run_dir, shape)
+    run_rank(cfg, run_dir, shape, env)
+    return None
 
-        log.info(
-            "%s on %s: mesh %s (federation x replicate x shard), %d local workers, records in %s",
-            cfg.algorithm.name,
-            cfg.topology.name,
-            shape,
-            shape.world,
-            run_dir,
+
+def checked_blocks(cfg, world: int):
+    """The run's token blocks (tokenised once, then cached), checked against the model and the world."""
+    from .data import prepare
+
+    blocks = prepare(cfg.dataset)
+    check_vocab(cfg, blocks)
+    check_blocks(cfg, blocks, world)
+    return blocks
+
+
+def run_simulated(cfg, run_dir: str, shape) -> dict:
+    """cluster=simulate: every federation group in this process (fldp/simulate.py)."""
+    check_run_dir(cfg, shape, run_dir)
+    blocks = checked_blocks(cfg, shape.world)
+    from . import simulate
+
+    log.info(
+        "%s simulated in one process: mesh %s (federation x replicate x shard), records in %s",
+        cfg.algorithm.name,
+        shape,
+        run_dir,
+    )
+    return simulate.run(cfg, run_dir, blocks)
+
+
+def run_forked(cfg, run_dir: str, shape) -> dict:
+    """The world's workers forked on this machine; the summary. A stopped or failed run names
+    where it can resume from."""
+    from .checkpoint import discard_incomplete
+
+    check_run_dir(cfg, shape, run_dir)
+    blocks = checked_blocks(cfg, shape.world)
+    from . import trainer  # noqa: F401  (import once here, not in each of the forked workers)
+
+    log.info(
+        "%s on %s: mesh %s (federation x replicate x shard), %d local workers, records in %s",
+        cfg.algorithm.name,
+        cfg.topology.name,
+        shape,
+        shape.world,
+        run_dir,
+    )
+    try:
+        launch_workers(cfg, run_dir, shape, blocks)
+    except Interrupted as e:
+        discard_incomplete(run_dir)  # every worker has exited: a checkpoint without COMPLETE is a cut save
+        raise Interrupted(e.signum, f"; {resume_hint(run_dir)}") from None
+    except WorkerError as e:
+        discard_incomplete(run_dir)
+        raise WorkerError(f"{e}\n{resume_hint(run_dir)}") from None
+    return json.loads((Path(run_dir) / "summary.json").read_text())
+
+
+def launch_workers(cfg, run_dir: str, shape, blocks) -> None:
+    """The workers, on emulated nodes if the topology has them; elastic: each federation group its
+    own world, restarted when it fails."""
+    from . import launch
+
+    if cfg.algorithm.get("elastic"):
+        from . import elastic
+
+        if cfg.cluster.get("launcher") == "slurm":  # the supervisor, inside the run's one job
+            elastic.run_slurm(cfg, run_dir, shape)
+        else:
+            elastic.run_local(
+                _group_rank, (cfg, run_dir, blocks), shape, cfg.cluster, run_dir, network=netns.from_config(cfg)
+            )
+    else:
+        launch.run_local(
+            _rank, (cfg, run_dir, blocks), shape.world, cfg.topology.device, cfg.cluster, network=netns.from_config(cfg)
         )
-        try:
-            if cfg.algorithm.get("elastic"):
-                from . import elastic
 
-                if cfg.cluster.get("launcher") == "slurm":  # the supervisor, inside the run's one job
-                    elastic.run_slurm(cfg, run_dir, shape)
-                else:
-                    elastic.run_local(
-                        _group_rank, (cfg, run_dir, blocks), shape, cfg.cluster, run_dir, network=netns.from_config(cfg)
-                    )
-            else:
-                launch.run_local(
-                    _rank,
-                    (cfg, run_dir, blocks),
-                    shape.world,
-                    cfg.topology.device,
-                    cfg.cluster,
-                    network=netns.from_config(cfg),
-                )
-        except Interrupted as e:
-            discard_incomplete(run_dir)  # every worker has exited: a checkpoint without COMPLETE is a cut save
-            raise Interrupted(e.signum, f"; {resume_hint(run_dir)}") from None
-        except WorkerError as e:
-            discard_incomplete(run_dir)
-            raise WorkerError(f"{e}\n{resume_hint(run_dir)}") from None
-        return json.loads((Path(run_dir) / "summary.json").read_text())
 
-    # One rank of a world started by torchrun or srun.
+def run_rank(cfg, run_dir: str, shape, env) -> None:
+    """One rank of a world started by torchrun or srun."""
+    import torch.distributed as dist
+
+    from . import launch
+    from .data import prepare
+
     if env.world != shape.world:
         raise ConfigError(f"WORLD_SIZE={env.world} from the launcher, but mesh {shape} needs {shape.world} ranks")
     device = launch.init_process_group(env, cfg.topology.device, cfg.cluster.timeout_s)
@@ -268,7 +298,6 @@ def run(cfg: DictConfig, run_dir: str, sweep_point: bool = False) -> dict | None
     # Torn down on success only: a failing rank leaves with its connections open, so it reports its
     # error before its peers fail of the lost connection (the launcher reports the earliest error).
     dist.destroy_process_group()
-    return None
 
 
 def resume_hint(run_dir: str) -> str:
@@ -409,52 +438,11 @@ def precheck(overrides: list[str], multirun: bool) -> None:
     its .hydra/ before run() refuses it. A sweep point with a bad value is left to fail alone, as
     it would in Hydra. Raises ConfigError."""
     global _new_run_dir
-    from hydra import compose, initialize_config_dir
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-    except HydraException as e:
-        raise ConfigError(str(e)) from None
-    for o in parsed:
-        if o.key_or_group == "hydra/launcher" and str(o.value()).startswith(("submitit", "fldp_slurm")):
-            raise ConfigError(
-                f"{o.input_line}: SLURM runs take one path, cluster=slurm (or a site's cluster "
-                "config), also for a multirun: `-m cluster=slurm ...` submits each point as its own "
-                "job, skips finished points and requeues at the time limit (docs/slurm.md)"
-            )
-    points = [overrides]
-    if multirun:
-        try:
-            points = list(
-                itertools.islice(
-                    itertools.product(
-                        *(
-                            [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()]
-                            if o.is_sweep_override()
-                            else [o.input_line]
-                            for o in parsed
-                        )
-                    ),
-                    MAX_POINTS_CHECKED,
-                )
-            )
-        except HydraException:  # a sweep this expansion cannot list (a glob over a group): Hydra's to check
-            return
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3", job_name="train"):
-        for point in points:
-            try:
-                cfg = compose("config", overrides=list(point), return_hydra_config=True)
-            except (HydraException, OmegaConfBaseException) as e:
-                where = f" (sweep point {' '.join(point)})" if multirun else ""
-                if unknown := re.match(r"Could not override '([^']+)'", str(e)):
-                    # a key the config lacks: composed with +, the schema names it and the nearest key
-                    added = [f"+{o}" if o.split("=")[0] == unknown[1] else o for o in point]
-                    with contextlib.suppress(HydraException, OmegaConfBaseException):
-                        schema.check(compose("config", overrides=added))
-                raise ConfigError(f"{e}{where}".replace("\n", " ")) from None
+    parsed = parse_overrides(overrides)
+    points = sweep_points(parsed) if multirun else [overrides]
+    if points is None:  # a sweep this expansion cannot list (a glob over a group): Hydra's to check
+        return
+    cfg = compose_points(points, multirun)
     if multirun:
         return
     try:  # a hydra.run.dir made of Hydra's runtime values is known only once Hydra runs
@@ -468,6 +456,61 @@ def precheck(overrides: list[str], multirun: bool) -> None:
     if run_dir is not None:
         _new_run_dir = "${now:" in template or not Path(run_dir).exists()
         check_not_another_run(cfg, run_dir)  # before Hydra writes its train.log into that directory
+
+
+def parse_overrides(overrides: list[str]) -> list:
+    """Hydra's parse of the command line's overrides; a SLURM launcher of Hydra's is refused."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException as e:
+        raise ConfigError(str(e)) from None
+    for o in parsed:
+        if o.key_or_group == "hydra/launcher" and str(o.value()).startswith(("submitit", "fldp_slurm")):
+            raise ConfigError(
+                f"{o.input_line}: SLURM runs take one path, cluster=slurm (or a site's cluster "
+                "config), also for a multirun: `-m cluster=slurm ...` submits each point as its own "
+                "job, skips finished points and requeues at the time limit (docs/slurm.md)"
+            )
+    return parsed
+
+
+def sweep_points(parsed: list) -> list[tuple[str, ...]] | None:
+    """A sweep's points (the first MAX_POINTS_CHECKED), each its overrides; None when this expansion
+    cannot list them."""
+    from hydra.errors import HydraException
+
+    values = (
+        [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override() else [o.input_line]
+        for o in parsed
+    )
+    try:
+        return list(itertools.islice(itertools.product(*values), MAX_POINTS_CHECKED))
+    except HydraException:
+        return None
+
+
+def compose_points(points: list, multirun: bool):
+    """Compose each point as Hydra will (its hydra config included); the last point's config. A key
+    the config lacks is named by the schema, with the nearest key."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3", job_name="train"):
+        for point in points:
+            try:
+                cfg = compose("config", overrides=list(point), return_hydra_config=True)
+            except (HydraException, OmegaConfBaseException) as e:
+                where = f" (sweep point {' '.join(point)})" if multirun else ""
+                if unknown := re.match(r"Could not override '([^']+)'", str(e)):
+                    # composed with +, the schema names the unknown key and the nearest key
+                    added = [f"+{o}" if o.split("=")[0] == unknown[1] else o for o in point]
+                    with contextlib.suppress(HydraException, OmegaConfBaseException):
+                        schema.check(compose("config", overrides=added))
+                raise ConfigError(f"{e}{where}".replace("\n", " ")) from None
+    return cfg
 
 
 if __name__ == "__main__":

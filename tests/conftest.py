@@ -90,10 +90,10 @@ class Snapshot:
         self.out.mkdir(parents=True, exist_ok=True)
         self.shape = MeshShape(cfg.mesh.federation, cfg.mesh.replicate, cfg.mesh.shard)
 
-    def __call__(self, step, model, aggregated):
+    def __call__(self, step, state, aggregated):
         if step not in self.steps:
             return
-        full = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}  # group collective
+        full = {n: p.full_tensor().detach().clone() for n, p in state.model.named_parameters()}  # group collective
         f, r, s = self.shape.coords(dist.get_rank())
         if s == 0:
             torch.save(full, self.out / f"f{f}_r{r}_step{step}.pt")

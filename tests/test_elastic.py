@@ -31,27 +31,16 @@ def _rank(cfg, run_dir, blocks, out, member, device):
     rank 0), and each rank's AdamW state at every aggregation (a healed group's at its heal)."""
     import torch.distributed as dist
 
-    import fldp.trainer
-
-    made = {}
-    build = fldp.trainer.build_optimizer
-
-    def keep(model, opt_cfg):  # this forked worker's own module: the optimiser, to look at
-        made["optimizer"] = build(model, opt_cfg)
-        return made["optimizer"]
-
-    fldp.trainer.build_optimizer = keep
-
-    def on_step(step, model, aggregated):
+    def on_step(step, state, aggregated):
         if aggregated:
-            names = {p: n for n, p in model.named_parameters()}
-            state = {
+            names = {p: n for n, p in state.model.named_parameters()}
+            saved = {
                 names[p]: {k: (v.to_local() if hasattr(v, "to_local") else v).clone() for k, v in s.items()}
-                for p, s in made["optimizer"].state.items()
+                for p, s in state.optimizer.state.items()
             }
-            torch.save(state, Path(out) / f"adamw_g{member.group}_r{dist.get_rank()}_s{step}.pt")
+            torch.save(saved, Path(out) / f"adamw_g{member.group}_r{dist.get_rank()}_s{step}.pt")
         if step == cfg.trainer.steps:
-            full = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}  # group collective
+            full = {n: p.full_tensor().detach().clone() for n, p in state.model.named_parameters()}  # group collective
             if dist.get_rank() == 0:
                 torch.save(full, Path(out) / f"group_{member.group}.pt")
 

@@ -454,7 +454,7 @@ class WarnAt:
     def __init__(self, step: int, rank: int):
         self.step, self.rank = step, rank
 
-    def __call__(self, step, model, aggregated):
+    def __call__(self, step, state, aggregated):
         if step == 0:
             checkpoint.stop_on(signal.SIGUSR2)
         elif step == self.step and dist.get_rank() == self.rank:
