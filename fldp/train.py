@@ -20,6 +20,7 @@ import shutil
 import signal
 import sys
 from pathlib import Path
+from typing import cast
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -446,7 +447,7 @@ def precheck(overrides: list[str], multirun: bool) -> None:
     if multirun:
         return
     try:  # a hydra.run.dir made of Hydra's runtime values is known only once Hydra runs
-        template = OmegaConf.to_container(cfg.hydra.run, resolve=False)["dir"]
+        template = cast(dict, OmegaConf.to_container(cfg.hydra.run, resolve=False))["dir"]
         run_dir = str(cfg.hydra.run.dir)
     except OmegaConfBaseException:
         run_dir = None

@@ -39,7 +39,10 @@ def build_optimizer(model, opt_cfg):
     if opt_cfg.name == "adamw":
         # torch wants float betas; Hydra reads `optimizer.betas=[0,0]` as ints
         return torch.optim.AdamW(
-            model.parameters(), lr=opt_cfg.lr, betas=tuple(map(float, opt_cfg.betas)), weight_decay=opt_cfg.weight_decay
+            model.parameters(),
+            lr=opt_cfg.lr,
+            betas=(float(opt_cfg.betas[0]), float(opt_cfg.betas[1])),
+            weight_decay=opt_cfg.weight_decay,
         )
     if opt_cfg.name == "sgd":
         return torch.optim.SGD(
