@@ -88,7 +88,7 @@ class LinkMeter:
     def __init__(self, path: Path):
         self.path, self.rows, self.last = path, [], None
 
-    def __call__(self, step, model, aggregated):
+    def __call__(self, step, state, aggregated):  # on_step: the training state is not read
         if dist.get_rank() != 0:
             return
         tx = _link_tx()
