@@ -10,7 +10,7 @@ the group's gradient is that of its whole batch. HSDP's math is therefore FSDP's
 
 Shared with the trainer, not copied: the data each rank reads (fldp.data: WorldBatches is every
 rank's RankBatches at once), the initial weights (fldp.init), the optimiser and its schedule, the aggregation rule (FedAvgConfig.due), the
-outer step (fldp.aggregation.Outer), the records (fldp.records.Recorder) and summary.json
+outer step (fldp.outer.OuterState), the records (fldp.records.Recorder) and summary.json
 (trainer.run_summary). AdamW is elementwise, so one AdamW over the stacked parameters is F AdamWs.
 What differs is only floating-point order: the collectives sum in another order than torch.sum
 (fp32: agreement within 1e-5, tested; in bf16 the collective rounds at every hop, the simulator once).
@@ -26,11 +26,12 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
-from .aggregation import FedAvgConfig, Outer, fragment_fields
+from .aggregation import FedAvgConfig, fragment_fields
 from .data import Blocks, WorldBatches
 from .errors import ConfigError
 from .mesh import mesh_shape
 from .model import DTYPES, build_model, init_weights, llama_config
+from .outer import OuterState
 from .quantize import Quantizer, quantized_mean, residual_for
 from .records import PHASES, Recorder
 from .streaming import Exchange
@@ -94,10 +95,10 @@ class Simulation:
             # algorithm.streaming: each federated parameter's fragment (one fragment: the whole model)
             self.fragment = self.fedavg.streaming.fragment_of(self.federated)
             if not self.fedavg.outer.averages:  # one bucket per fragment: its anchor is group 0's weights
-                self.outer = Outer(
-                    self.fedavg.outer,
-                    [torch.cat([self.groups[n][0].reshape(-1) for n in names]) for names in self.fragment_names()],
-                )
+                self.outer = [
+                    OuterState(self.fedavg.outer, torch.cat([self.groups[n][0].reshape(-1) for n in names]))
+                    for names in self.fragment_names()
+                ]
             # algorithm.outer.quantize: the groups' change since the last aggregation crosses, from
             # the anchor or (FedAvg) from the weights then, the reference; per group, the error feedback
             self.quantizer = Quantizer.of(self.fedavg.outer)
@@ -150,7 +151,7 @@ class Simulation:
 
     def _base(self, p: int) -> torch.Tensor:
         """What fragment p's change is taken from (quantised): the anchor, or the reference."""
-        return self.outer.anchors[p] if self.outer is not None else self.reference[p]
+        return self.outer[p].anchor if self.outer is not None else self.reference[p]
 
     def _sent(self, p: int, feedback: bool = True) -> torch.Tensor:
         """What fragment p's all-reduce returns, flat: the groups' average, or (quantised) their
@@ -180,9 +181,9 @@ class Simulation:
         for p in due.merges:
             names, sent = self.fragment_names()[p], self.in_flight.pop(p)
             if self.quantizer is not None:  # sent: the mean change
-                new = self.outer.step(p, -sent).to(dtype) if self.outer is not None else self.reference[p].add_(sent)
+                new = self.outer[p].step(-sent).to(dtype) if self.outer is not None else self.reference[p].add_(sent)
             elif self.outer is not None:
-                new = self.outer.step(p, self.outer.anchors[p] - sent.float()).to(sent.dtype)  # the pseudo-gradient
+                new = self.outer[p].step(self.outer[p].anchor - sent.float()).to(sent.dtype)  # the pseudo-gradient
             else:
                 new = sent
             for name, value in zip(names, self._split(p, new)):
