@@ -50,7 +50,7 @@ def _fedavg_worker(repeats, bucket_mb, out, device):
     torch.manual_seed(0)
     model = parallelize(build_model(llama_config(cfg.model, 4096)), group_mesh(mesh, shape), torch.float32)
     fedavg = FedAvg(model, mesh, shape, FedAvgConfig(every=1, bucket_mb=bucket_mb), last_step=1)
-    shards = [t for bucket in fedavg.buckets for t in bucket]
+    shards = [t for bucket in fedavg.buckets for t in bucket.shards]
     # the reference: the same bytes, dtype and federation group, in one persistent flat tensor
     flat = torch.randn(sum(t.numel() for t in shards), dtype=shards[0].dtype)
     assert {t.dtype for t in shards} == {flat.dtype}
@@ -62,7 +62,7 @@ def _fedavg_worker(repeats, bucket_mb, out, device):
 
     # with several buckets, also the same bytes in the buckets' pieces, all in flight as FedAvg has
     # them: what the number of collectives costs, apart from what FedAvg does around them
-    pieces = torch.split(flat, [sum(t.numel() for t in bucket) for bucket in fedavg.buckets])
+    pieces = torch.split(flat, [bucket.numel for bucket in fedavg.buckets])
 
     def pieces_allreduce():
         works = [dist.all_reduce(piece, group=group, async_op=True) for piece in pieces]
@@ -87,7 +87,7 @@ def _fedavg_worker(repeats, bucket_mb, out, device):
                 {
                     "bytes": flat.numel() * flat.element_size(),
                     "buckets": len(fedavg.buckets),
-                    "copied": sum(len(c) for c in fedavg._copied),
+                    "copied": sum(len(b.copied) for b in fedavg.buckets),
                     "shards": len(shards),
                     **times,
                 }

@@ -178,13 +178,28 @@ def _schedule_json(schedule: tuple | None) -> list | None:
 
 # why a resume must keep each key a checkpoint records of what its buckets and fragments hold
 _BUCKET_KEYS = {
-    "algorithm.streaming.layout": "the fragments would hold other layers, and the saved anchors and outer "
-    "state of each fragment would load into them",
-    "algorithm.federate": "other parameters would be averaged, and the saved anchors and outer state would "
-    "load into them",
-    "algorithm.fedavg.bucket_mb": "the buckets would hold other parameters, and the state saved per bucket "
-    "would load into them",
+    "algorithm.streaming.layout": "the steps before the checkpoint aggregated each layer on the saved "
+    "layout's steps, so the run would be neither configuration",
+    "algorithm.federate": "the steps before the checkpoint averaged other parameters (one newly federated "
+    "has no saved outer state), so the run would be neither configuration",
+    "algorithm.fedavg.bucket_mb": "a quantised exchange quantises each bucket, and the steps before the "
+    "checkpoint quantised the saved buckets",
 }
+# how meta.json says FedAvg's state is keyed (fldp.buckets.Bucket.state_dict); absent: by bucket number
+STATE_KEYS = "parameter"
+
+
+def check_state_keys(path: Path, keeps_state: bool) -> None:
+    """A checkpoint whose FedAvg state was saved by bucket number (fldp before STATE_KEYS) cannot be
+    read by this fldp, which keeps it by parameter name; one without that state (plain FedAvg,
+    nothing quantised or cast) has nothing to read and resumes."""
+    meta = json.loads((path / "meta.json").read_text())
+    if keeps_state and meta.get("fedavg_state") != STATE_KEYS:
+        raise ConfigError(
+            f"trainer.resume=auto: {path} was saved by an earlier fldp, which kept FedAvg's outer "
+            "state (anchor, reference, residual) by bucket number; this one keeps it by parameter "
+            "name and cannot read it; finish that run with the fldp that wrote it or use a new hydra.run.dir"
+        )
 
 
 def check_schedule(path: Path, schedule: tuple | None, fragments: int = 1, federation=None) -> None:
@@ -193,7 +208,7 @@ def check_schedule(path: Path, schedule: tuple | None, fragments: int = 1, feder
     new one (the steps before the checkpoint aggregated on the old schedule), and other fragments
     have other outer state. Likewise the keys that decide what a bucket holds, as far as the
     checkpoint recorded them (`federation`: this run's FedAvgConfig; FedAvg.saved_with). One from
-    before meta.json held them passes."""
+    before meta.json held them passes, unless its FedAvg state was saved by bucket number."""
     meta = json.loads((path / "meta.json").read_text())
     schedule = _schedule_json(schedule)
     if "schedule" in meta and meta["schedule"] != schedule:
@@ -208,6 +223,8 @@ def check_schedule(path: Path, schedule: tuple | None, fragments: int = 1, feder
             f"{meta.get('fragments', 1)}, this run has {fragments}; resume with the same "
             "fragments or use a new hydra.run.dir"
         )
+    # before STATE_KEYS, saved_with named bucket_mb exactly where FedAvg kept state (by bucket number)
+    check_state_keys(path, "algorithm.fedavg.bucket_mb" in meta.get("saved_with", {}))
     now = federation.bucket_keys() if federation is not None else {}
     for key, saved in meta.get("saved_with", {}).items():
         if now.get(key) != saved:
@@ -319,6 +336,7 @@ class Checkpointer:
                 "schedule": _schedule_json(self.schedule),
                 **({"fragments": self.fragments} if self.fragments > 1 else {}),
                 **({"saved_with": saved_with(self._aggregation)} if self._aggregation else {}),
+                **({"fedavg_state": STATE_KEYS} if self._aggregation else {}),
             }
             with _writing(path):
                 (path / "meta.json").write_text(json.dumps(meta))
@@ -346,6 +364,7 @@ class Checkpointer:
         """Restore this rank from `path`; returns the step it was taken after."""
         check_mesh(path, self.shape)
         check_schedule(path, self.schedule, self.fragments, self._aggregation.config if self._aggregation else None)
+        check_state_keys(path, bool(self._aggregation and self._aggregation.state_dict()))
         state = self._state(model, optimizer)
         dcp.load(state, checkpoint_id=path / f"group_{self.federation_index}", process_group=self.group)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

@@ -9,9 +9,10 @@ replicas), and the mean of R x S equal-size batches' mean losses is the mean los
 the group's gradient is that of its whole batch. HSDP's math is therefore FSDP's.
 
 Shared with the trainer, not copied: the data each rank reads (fldp.data: WorldBatches is every
-rank's RankBatches at once), the initial weights (fldp.init), the optimiser and its schedule, the aggregation rule (FedAvgConfig.due), the
-outer step (fldp.aggregation.Outer), the records (fldp.records.Recorder) and summary.json
-(trainer.run_summary). AdamW is elementwise, so one AdamW over the stacked parameters is F AdamWs.
+rank's RankBatches at once), the initial weights (fldp.init), the optimiser and its schedule, the
+aggregation rule (FedAvgConfig.due), the aggregation itself (fldp.stacked: the trainer's buckets,
+cut as its ranks hold them, and their arithmetic, fldp.buckets.Bucket), the records
+(fldp.records.Recorder) and summary.json (trainer.run_summary). AdamW is elementwise, so one AdamW over the stacked parameters is F AdamWs.
 What differs is only floating-point order: the collectives sum in another order than torch.sum
 (fp32: agreement within 1e-5, tested; in bf16 the collective rounds at every hop, the simulator once).
 """
@@ -26,13 +27,13 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
-from .aggregation import FedAvgConfig, Outer, fragment_fields
+from .aggregation import FedAvgConfig, fragment_fields
 from .data import Blocks, WorldBatches
 from .errors import ConfigError
 from .mesh import mesh_shape
 from .model import DTYPES, build_model, init_weights, llama_config
-from .quantize import Quantizer, quantized_mean, residual_for
 from .records import PHASES, Recorder
+from .stacked import StackedFedAvg
 from .streaming import Exchange
 from .trainer import (
     AVERAGE,
@@ -85,37 +86,9 @@ class Simulation:
         self.optimizer = build_optimizer(self.groups, cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, self.steps)
         self.fedavg = FedAvgConfig.from_algorithm(cfg.algorithm)
-        self.federated: list[str] = []
-        self.outer = self.quantizer = self.residuals = None
-        self.in_flight: dict[int, torch.Tensor] = {}  # fragment -> its flat average (or change), not yet merged
-        if self.fedavg is not None:
-            keep = self.fedavg.federated(self.groups.names)
-            self.federated = [n for n, k in zip(self.groups.names, keep) if k]
-            # algorithm.streaming: each federated parameter's fragment (one fragment: the whole model)
-            self.fragment = self.fedavg.streaming.fragment_of(self.federated)
-            if not self.fedavg.outer.averages:  # one bucket per fragment: its anchor is group 0's weights
-                self.outer = Outer(
-                    self.fedavg.outer,
-                    [torch.cat([self.groups[n][0].reshape(-1) for n in names]) for names in self.fragment_names()],
-                )
-            # algorithm.outer.quantize: the groups' change since the last aggregation crosses, from
-            # the anchor or (FedAvg) from the weights then, the reference; per group, the error feedback
-            self.quantizer = Quantizer.of(self.fedavg.outer)
-            if self.quantizer is not None:
-                starts = [
-                    torch.cat([self.groups[n][0].reshape(-1) for n in names]).detach()
-                    for names in self.fragment_names()
-                ]
-                if self.outer is None:  # with an outer optimiser the base is its anchor
-                    self.reference = [start.clone() for start in starts]
-                if self.fedavg.outer.error_feedback:
-                    self.residuals = [
-                        [
-                            residual_for(start.numel(), shape.federation, self.quantizer, device)
-                            for _ in range(shape.federation)
-                        ]
-                        for start in starts
-                    ]
+        # the trainer's buckets and their arithmetic, for the groups stacked (fldp.stacked)
+        self.federation = StackedFedAvg(self.fedavg, self.groups.by_name(), shape.shard) if self.fedavg else None
+        self.federated = self.federation.federated if self.federation else []
         # parameters left out of algorithm.federate stay local: the groups never hold one model
         self.partial = self.fedavg is not None and len(self.federated) < len(self.groups.names)
 
@@ -134,72 +107,9 @@ class Simulation:
         for x in WorldBatches(self.blocks.train, cfg.trainer.batch_size, self.shape.world, cfg.seed).stream():
             yield x.reshape(self.shape.federation, -1, x.shape[-1]).to(self.device)
 
-    # --- aggregation -----------------------------------------------------------------------------
-    @torch.no_grad()
-    def average(self, names: list[str] | None = None) -> list[torch.Tensor]:
-        """The groups' plain average of each federated parameter (or of `names`), summed then
-        divided as the collective does (gloo has no AVG)."""
-        F = self.shape.federation
-        return [self.groups[n].sum(dim=0).div_(F) for n in (self.federated if names is None else names)]
-
-    def fragment_names(self) -> list[list[str]]:
-        """The federated parameters of each fragment, in order."""
-        return [
-            [n for n, f in zip(self.federated, self.fragment) if f == p] for p in range(self.fedavg.streaming.fragments)
-        ]
-
-    def _base(self, p: int) -> torch.Tensor:
-        """What fragment p's change is taken from (quantised): the anchor, or the reference."""
-        return self.outer.anchors[p] if self.outer is not None else self.reference[p]
-
-    def _sent(self, p: int, feedback: bool = True) -> torch.Tensor:
-        """What fragment p's all-reduce returns, flat: the groups' average, or (quantised) their
-        quantised mean change; only a training aggregation (`feedback`) moves the residuals."""
-        names = self.fragment_names()[p]
-        if self.quantizer is None:
-            return torch.cat([t.reshape(-1) for t in self.average(names)])
-        changes = [
-            torch.cat([self.groups[n][g].reshape(-1) for n in names]).float() - self._base(p)
-            for g in range(self.shape.federation)
-        ]
-        residuals = self.residuals[p] if self.residuals is not None and feedback else None
-        return quantized_mean(changes, self.quantizer, residuals)
-
-    def _split(self, p: int, flat: torch.Tensor) -> list[torch.Tensor]:
-        """A fragment's flat tensor as its parameters (one group's shape each)."""
-        shapes = [self.groups[n].shape[1:] for n in self.fragment_names()[p]]
-        return [t.view(shape) for t, shape in zip(torch.split(flat, [math.prod(x) for x in shapes]), shapes)]
-
-    @torch.no_grad()
     def exchange(self, due: Exchange) -> None:
-        """What the fragments sent return (their all-reduce), then, for those merged, FedAvg or the
-        outer step on it, mixed with each group's weights by alpha."""
-        dtype = self.groups.stacked[0].dtype
-        for p in due.sends:
-            self.in_flight[p] = self._sent(p)
-        for p in due.merges:
-            names, sent = self.fragment_names()[p], self.in_flight.pop(p)
-            if self.quantizer is not None:  # sent: the mean change
-                new = self.outer.step(p, -sent).to(dtype) if self.outer is not None else self.reference[p].add_(sent)
-            elif self.outer is not None:
-                new = self.outer.step(p, self.outer.anchors[p] - sent.float()).to(sent.dtype)  # the pseudo-gradient
-            else:
-                new = sent
-            for name, value in zip(names, self._split(p, new)):
-                group = self.groups[name]
-                value = value.view(group.shape[1:]).expand_as(group)
-                group.copy_(torch.lerp(value, group, due.alpha) if due.alpha else value)
-
-    @torch.no_grad()
-    def evaluated_average(self) -> dict[str, torch.Tensor]:
-        """The average the trainer's evaluation scores (FedAvg.averaged), by name: the plain one, or
-        the base plus the quantised mean change (the residuals untouched)."""
-        if self.quantizer is None:
-            return dict(zip(self.federated, self.average()))
-        dtype, out = self.groups.stacked[0].dtype, {}
-        for p, names in enumerate(self.fragment_names()):
-            out.update(zip(names, self._split(p, (self._base(p) + self._sent(p, feedback=False)).to(dtype))))
-        return out
+        """The aggregation after a step: the trainer's bucket arithmetic over the stacked groups."""
+        self.federation.exchange(due)
 
     # --- evaluation ------------------------------------------------------------------------------
     def held_out(self, ranks: int) -> torch.Tensor:
@@ -245,8 +155,7 @@ class Simulation:
                 loss = sum(group_losses) / len(group_losses)
                 extra["eval_of"] = GROUPS_MEAN
             else:
-                averaged = self.evaluated_average()
-                loss = self.evaluate({n: averaged[n].unsqueeze(0) for n in params}, world).item()
+                loss = self.evaluate(self.federation.averaged(), world).item()
                 extra.update(eval_of=AVERAGE, averaged=True)
         return {
             "split": "eval",
@@ -258,6 +167,27 @@ class Simulation:
         }
 
     # --- the run ---------------------------------------------------------------------------------
+    def train_row(self, step: int, losses: torch.Tensor, lr: float, tokens: int, timer, due: Exchange) -> dict:
+        """A step's record, as the trainer's."""
+        times, step_time = timer.times, timer.total()
+        mean_loss = losses.mean().item()  # every group has R*S ranks: the mean over ranks
+        if not math.isfinite(mean_loss):
+            raise FloatingPointError(f"non-finite loss ({mean_loss}) at step {step}: stopping")
+        row = {
+            "step": step,
+            "loss": mean_loss,
+            "perplexity": math.exp(mean_loss),
+            "lr": lr,
+            "tokens": tokens,
+            **{f"time_{p}": times[p] for p in PHASES},
+            "time_step": step_time,
+            **{f"critical_{p}": times[p] for p in PHASES},  # one process
+            "aggregated": bool(due),
+        }
+        if due:  # as the trainer's rows
+            row.update(fragment_fields(self.fedavg, due))
+        return row
+
     def run(self, run_dir: str) -> dict:
         cfg, shape, steps = self.cfg, self.shape, self.steps
         tokens_per_step = shape.world * cfg.trainer.batch_size * self.blocks.train.shape[1]
@@ -277,30 +207,13 @@ class Simulation:
             self.optimizer.zero_grad(set_to_none=True)
             timer.lap("optimizer")
             due = self.fedavg.exchange(step, steps) if self.fedavg is not None else Exchange()
-            aggregated = bool(due)
-            if aggregated:
+            if due:
                 self.exchange(due)
                 timer.lap("aggregation")
             else:
                 timer.times["aggregation"] = 0.0  # the phase did not run this step
-            times, step_time = timer.times, timer.total()
-            mean_loss = losses.mean().item()  # every group has R*S ranks: the mean over ranks
-            if not math.isfinite(mean_loss):
-                raise FloatingPointError(f"non-finite loss ({mean_loss}) at step {step}: stopping")
-            train_time += step_time
-            row = {
-                "step": step,
-                "loss": mean_loss,
-                "perplexity": math.exp(mean_loss),
-                "lr": lr,
-                "tokens": step * tokens_per_step,
-                **{f"time_{p}": times[p] for p in PHASES},
-                "time_step": step_time,
-                **{f"critical_{p}": times[p] for p in PHASES},  # one process
-                "aggregated": aggregated,
-            }
-            if aggregated:  # as the trainer's rows
-                row.update(fragment_fields(self.fedavg, due))
+            row = self.train_row(step, losses, lr, step * tokens_per_step, timer, due)
+            train_time += row["time_step"]
             recorder.log(row)
             if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step != steps:
                 synced = self.fedavg is not None and due.synced(self.fedavg.streaming.fragments)

@@ -155,8 +155,8 @@ def _in_place_worker(cfg, out, device):
 
     fedavg = FedAvg(model, mesh, shape, FedAvgConfig(every=1, bucket_mb=0.05), last_step=1)
     # every shard lives in a bucket but the padded ones, which are copied in and out of it
-    copied = sum(len(c) for c in fedavg._copied)
-    assert copied == len(padded) and all(flat is not None for flat in fedavg.resident)
+    copied = sum(len(b.copied) for b in fedavg.buckets)
+    assert copied == len(padded) and all(b.flat is not None for b in fedavg.buckets)
     gc.collect()
     alive = sum(r() is not None for r in old)
     assert alive == len(padded), f"{alive} old shard storages kept alive"
@@ -217,7 +217,7 @@ def _copied_alike_worker(cfg, out, device):
             fedavg = FedAvg(model, mesh, shape, config, last_step=2)
         finally:
             aggregation._fsdp_params = owners
-        assert all((flat is not None) == resident for flat in fedavg.resident)
+        assert all((b.flat is not None) == resident for b in fedavg.buckets)
         fedavg()
         with torch.no_grad():
             for p in model.parameters():
@@ -258,7 +258,7 @@ def _stale_worker(cfg, out, device):
         model = parallelize(build_model(llama_config(model_cfg, 512)), group_mesh(mesh, shape), torch.float32)
         config = FedAvgConfig(every=1, federate=tuple(federate), outer=OuterConfig(reduce_dtype=reduce_dtype))
         fedavg = FedAvg(model, mesh, shape, config, last_step=2, resident=resident)
-        built = ["resident" if flat is not None else "copied" for flat in fedavg.resident]
+        built = ["resident" if b.flat is not None else "copied" for b in fedavg.buckets]
         assert built == ["copied" if kind != "resident" and (kind != "padded" or s == 1) else "resident"], built
         fedavg()
         model.load_state_dict(model.state_dict(), assign=True)

@@ -109,7 +109,7 @@ def _bucket_worker(cfg, out, device):
         expected.append(t / 2)
     fedavg = FedAvg(model, mesh, shape, FedAvgConfig(every=1, bucket_mb=0.01), last_step=1)
     assert len(fedavg.buckets) > 5
-    assert sum(len(b) for b in fedavg.buckets) == sum(1 for p in model.parameters() if p.to_local().numel())
+    assert sum(len(b.shards) for b in fedavg.buckets) == sum(1 for p in model.parameters() if p.to_local().numel())
     fedavg()
     for p, e in zip(model.parameters(), expected):
         assert torch.equal(p.to_local(), e)

@@ -320,12 +320,14 @@ def _identical_groups_worker(cfg, out, device):
                 before = [p.to_local().clone() for p in model.parameters()]
                 config = FedAvgConfig(every=1, bucket_mb=0.05, outer=OuterConfig(reduce_dtype=reduce_dtype, **outer))
                 fedavg = FedAvg(model, mesh, shape, config, last_step=3)
-                anchors = [a.clone() for a in fedavg.outer.anchors] if fedavg.outer else []
+                anchors = [b.outer.anchor.clone() for b in fedavg.buckets if b.outer]
                 fedavg()
                 fedavg()
                 if not all(torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters())):
                     moved.append(f"{case}: the weights")
-                if not all(torch.equal(a, b) for a, b in zip(anchors, fedavg.outer.anchors if fedavg.outer else [])):
+                if not all(
+                    torch.equal(a, b) for a, b in zip(anchors, [b.outer.anchor for b in fedavg.buckets if b.outer])
+                ):
                     moved.append(f"{case}: the anchor")
                 with torch.no_grad():  # the groups differ: after an aggregation they agree again
                     for p in model.parameters():

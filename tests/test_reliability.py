@@ -5,6 +5,7 @@ import contextlib
 import gzip
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -99,8 +100,8 @@ def test_kill_then_resume_keeps_the_outer_optimiser_state(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     kill_and_resume(tmp_path, DILOCO_INT4, uninterrupted_dir, "launcher")
     saved = flatten(final_params(uninterrupted_dir, tmp_path))
-    for kept in (".outer.rank_0.momentum_buffer_0", ".outer.rank_0.residual_0"):
-        assert any(kept in k for k in saved), (kept, sorted(saved)[:5])
+    for kept in ("momentum_buffer", "residual"):  # by parameter name: outer.rank_0.<name>.<kind>
+        assert any(".outer.rank_0.model." in k and k.endswith(f".{kept}.") for k in saved), (kept, sorted(saved)[:5])
 
 
 def kill_and_resume(tmp_path, run, uninterrupted, victim):
@@ -235,14 +236,17 @@ def fldp_train(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(["fldp-train", *args], cwd=cwd, capture_output=True, text=True, timeout=600)
 
 
-def test_resume_that_changes_what_a_saved_bucket_holds_is_refused_and_loses_nothing(tmp_path):
-    """DiLoCo with 2 strided fragments keeps an anchor and momentum per bucket: a resume with another
-    layout (the fragments would hold other layers), other federated parameters, or other buckets
-    would load them into the wrong parameters. Each is refused with exit 2 naming its key, the
-    checkpoint is left as it was, and a resume with the saved keys then finishes the run."""
-    run_dir = tmp_path / "run"
+def test_resume_that_changes_what_a_saved_bucket_holds_is_refused_or_exact(tmp_path):
+    """DiLoCo with 2 strided fragments keeps an anchor and momentum per bucket, saved by parameter
+    name. A resume with another layout (the steps before aggregated other layers together) or other
+    federated parameters would make the run neither configuration: each is refused with exit 2
+    naming its key, and the checkpoint is left as it was. Other buckets (bucket_mb 0.01: about one
+    per parameter, was one per fragment) re-assemble the state per parameter: the resumed run equals
+    the uninterrupted one bit for bit."""
+    run_dir, uninterrupted = tmp_path / "run", tmp_path / "uninterrupted"
     first = fldp_train(*STREAMED, f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
+    shutil.copytree(run_dir, uninterrupted)
     shutil.rmtree(run_dir / "checkpoints" / "step_00000008")  # as if stopped after step 4's checkpoint
     saved = latest(run_dir)
     assert saved.name == "step_00000004"
@@ -256,19 +260,39 @@ def test_resume_that_changes_what_a_saved_bucket_holds_is_refused_and_loses_noth
             "algorithm.federate=[model\\.layers\\..*]",
             "algorithm.federate=['.*'], this run has algorithm.federate=['model\\\\.layers\\\\..*']",
         ),
-        (
-            "algorithm.fedavg.bucket_mb=0.01",
-            "algorithm.fedavg.bucket_mb=25, this run has algorithm.fedavg.bucket_mb=0.01",
-        ),
     ):
         out = fldp_train(*STREAMED, override, "trainer.resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path)
         assert out.returncode == 2, (override, out.stderr[-3000:])
         assert "fldp: config error" in out.stderr and named in out.stderr, out.stderr[-3000:]
         assert latest(run_dir) == saved
         assert {p: p.read_bytes() for p in sorted(saved.rglob("*")) if p.is_file()} == kept
-    resumed = fldp_train(*STREAMED, "trainer.resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert latest(run_dir).name == "step_00000008" and len(read_rows(run_dir)) == 8
+    assert_resume_is_exact([*STREAMED, "algorithm.fedavg.bucket_mb=0.01"], run_dir, uninterrupted, tmp_path)
+
+
+def test_a_quantised_run_or_state_saved_by_bucket_number_refuses_other_buckets(tmp_path):
+    """Quantised, each bucket is what is quantised: the checkpoint records bucket_mb and a resume
+    with another is refused, naming it. A checkpoint from before state was kept by parameter name
+    (its meta.json names bucket_mb without saying how the state is keyed) is refused, naming that."""
+    from types import SimpleNamespace
+
+    from fldp.aggregation import FedAvgConfig, OuterConfig, saved_with
+
+    config = FedAvgConfig(every=2, outer=OuterConfig(quantize="int4"))
+    keys = saved_with(SimpleNamespace(config=config, fragments=1, quantizer=object()))
+    assert keys == {"algorithm.federate": [".*"], "algorithm.fedavg.bucket_mb": 25.0}
+    assert "algorithm.fedavg.bucket_mb" not in saved_with(SimpleNamespace(config=config, fragments=1, quantizer=None))
+    other = FedAvgConfig(every=2, bucket_mb=1.0, outer=OuterConfig(quantize="int4"))
+    for marker, named in (
+        ({"fedavg_state": checkpoint.STATE_KEYS}, "algorithm.fedavg.bucket_mb=25.0, this run has algorithm.fedavg"),
+        ({}, "kept FedAvg's outer state (anchor, reference, residual) by bucket number"),
+    ):
+        (tmp_path / "meta.json").write_text(json.dumps({"schedule": [[0, 2]], "saved_with": keys, **marker}))
+        with pytest.raises(checkpoint.ConfigError, match=re.escape(named)):
+            checkpoint.check_schedule(tmp_path, config.schedule, 1, other)
+    (tmp_path / "meta.json").write_text(
+        json.dumps({"schedule": [[0, 2]], "saved_with": keys, "fedavg_state": checkpoint.STATE_KEYS})
+    )
+    checkpoint.check_schedule(tmp_path, config.schedule, 1, config)  # the same buckets resume
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
