@@ -35,6 +35,7 @@ import contextlib
 import hashlib
 import re
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -75,6 +76,8 @@ class FedAvgConfig:
     outer: OuterConfig = field(default_factory=OuterConfig)
     federate: tuple = (".*",)  # regular expressions over parameter names; the rest stays local
     streaming: StreamingConfig = field(default_factory=StreamingConfig)  # fragments aggregated apart
+    # [[start, A], ...] from `every`, set on construction
+    schedule: tuple = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "schedule", schedule_of(self.every))  # an FL algorithm needs one
@@ -92,6 +95,7 @@ class FedAvgConfig:
         fragment, 0, is the whole model; without overlap, each is sent and merged at once)."""
         if self.streaming.exchanges:
             return self.streaming.exchange(step, self.schedule[0][1], last_step)
+        due: tuple[int, ...]
         if self.streaming.fragments == 1:
             due = (0,) if self.due(step, last_step) else ()
         else:
@@ -131,7 +135,9 @@ class FedAvgConfig:
         from omegaconf import OmegaConf
 
         fedavg = algorithm_cfg.get("fedavg") or {}
-        outer = OmegaConf.to_container(algorithm_cfg.outer, resolve=True) if algorithm_cfg.get("outer") else {}
+        outer = (
+            cast(dict, OmegaConf.to_container(algorithm_cfg.outer, resolve=True)) if algorithm_cfg.get("outer") else {}
+        )
         if "betas" in outer:
             outer["betas"] = tuple(outer["betas"]) if isinstance(outer["betas"], (list, tuple)) else outer["betas"]
         every = algorithm_cfg.every
@@ -142,7 +148,7 @@ class FedAvgConfig:
                 "[[0, A0], [step1, A1], ...]); it is null"
             )
         federate = algorithm_cfg.get("federate") or [".*"]
-        federate = tuple(OmegaConf.to_container(federate) if OmegaConf.is_config(federate) else federate)
+        federate = tuple(cast(list, OmegaConf.to_container(federate)) if OmegaConf.is_config(federate) else federate)
         return cls(
             every=every,
             mode=fedavg.get("mode", "leader_broadcast"),
@@ -220,7 +226,7 @@ class FedAvg:
         if self._sends_change(bucket):
             bucket.reference = bucket.weights()
             self.transport.share(bucket.reference)
-        if self.config.outer.error_feedback:
+        if self.config.outer.error_feedback and self.quantizer is not None:  # error feedback needs one
             bucket.residual = residual_for(bucket.numel, self.shape.federation, self.quantizer, bucket.shards[0].device)
         if self.leads and not self.config.outer.averages:
             start = bucket.reference if bucket.reference is not None else bucket.weights()
@@ -276,7 +282,7 @@ class FedAvg:
         self.participants = self.transport.begin()
         if self.transport.deferred:
             return self._deferred(chosen, outer_step)
-        pending: collections.deque = collections.deque()
+        pending: collections.deque[tuple[int, Bucket, torch.Tensor, object]] = collections.deque()
         for i in chosen:
             bucket = self.buckets[i]
             flat = bucket.flat
@@ -323,10 +329,10 @@ class FedAvg:
         shard, then lerp(global, local, alpha) with the weights the group holds now."""
         for i in self._chosen(fragments):
             bucket = self.buckets[i]
-            (flat, work), bucket.flying = bucket.flying, None
+            (flat, work), bucket.flying = cast(tuple, bucket.flying), None  # sent at an earlier step
             local = bucket.weights() if alpha else None
             self._finish(bucket, flat, work, True, every_shard=True)
-            if alpha:
+            if local is not None:
                 bucket.lerp(local, alpha)
 
     def _buffer(self, bucket: Bucket, parity: int) -> torch.Tensor:

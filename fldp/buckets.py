@@ -11,6 +11,9 @@ number that every bucket of a fragment shares.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import cast
+
 import torch
 
 from .errors import ConfigError
@@ -21,7 +24,7 @@ class Bucket:
     """The shards of the parameters `names` (this rank's local tensors), of fragment `fragment`,
     exchanged as one flat tensor of `dtype` (None: the shards' own)."""
 
-    def __init__(self, names: list[str], shards: list[torch.Tensor], fragment: int, dtype: torch.dtype | None):
+    def __init__(self, names: Sequence[str], shards: Sequence[torch.Tensor], fragment: int, dtype: torch.dtype | None):
         self.names, self.shards, self.fragment = list(names), list(shards), fragment
         self.dtype = dtype or shards[0].dtype
         self.offsets = [0]
@@ -60,7 +63,8 @@ class Bucket:
         reference, every shard's change since the base, taken in the wider dtype and rounded once.
         shards: another group's (slots)."""
         if self.reference is not None:
-            for (t, slot), (_, b) in zip(self.slots(flat, None, shards), self.slots(self.base)):
+            base = cast(torch.Tensor, self.base)  # a reference is kept: there is a base
+            for (t, slot), (_, b) in zip(self.slots(flat, None, shards), self.slots(base)):
                 if torch.promote_types(slot.dtype, t.dtype) == slot.dtype:  # widen first: bf16 - bf16 rounds
                     slot.copy_(t.reshape(-1)).sub_(b)
                 else:
@@ -88,7 +92,7 @@ class Bucket:
             return flat if ref is None else ref if outer_step else torch.empty_like(ref)
         if ref is not None:
             if not outer_step:
-                return (self.base + flat).to(ref.dtype)  # the average; the reference kept
+                return (cast(torch.Tensor, self.base) + flat).to(ref.dtype)  # the average; the reference kept
             if self.outer is not None:
                 return ref.copy_(self.outer.step(-flat.float()))  # anchor - (anchor + change)
             return ref.add_(flat)
@@ -182,7 +186,8 @@ def bucket_indices(tensors: list[tuple[int, torch.dtype]], bucket_bytes: int) ->
     """Greedy, order-preserving grouping of (nbytes, dtype) into buckets of one dtype and at most
     `bucket_bytes` each, so FedAvg issues a few large collectives instead of one per parameter.
     Every index lands in exactly one bucket; one larger than the limit gets a bucket of its own."""
-    buckets, size = [], 0
+    buckets: list[list[int]] = []
+    size = 0
     for i, (nbytes, dtype) in enumerate(tensors):
         if not buckets or size + nbytes > bucket_bytes or tensors[buckets[-1][0]][1] != dtype:
             buckets.append([])

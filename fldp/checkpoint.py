@@ -97,7 +97,8 @@ def _os_error(error: BaseException) -> OSError | None:
     """The OSError behind a failed save, where its exceptions still carry one: in the chain of
     causes (torch's zip writer, unable to finish a file the disk cut short, raises a RuntimeError
     of its own on top), or among the ranks' failures DCP gathered (these come without chains)."""
-    todo, seen = [error], set()
+    todo: list[BaseException | None] = [error]
+    seen: set[int] = set()
     while todo:
         e = todo.pop()
         if e is None or id(e) in seen:
@@ -151,7 +152,7 @@ def prune(run_dir: str | Path, keep: int, newest: Path | None = None) -> list[Pa
     incomplete ones (being written, or cut short by a crash) are not touched. Returns the deleted."""
     done = [p.parent for p in (Path(run_dir) / "checkpoints").glob(f"step_*/{MARKER}")]
     order = {p: (p == newest, (p / MARKER).stat().st_mtime_ns, p.name) for p in done}
-    old = sorted(done, key=order.get)[:-keep]
+    old = sorted(done, key=lambda p: order[p])[:-keep]
     for path in old:
         (path / MARKER).unlink()  # first, so that a deletion cut short leaves no resumable half
         shutil.rmtree(path)
@@ -171,7 +172,7 @@ def check_mesh(path: Path, shape: MeshShape) -> None:
         )
 
 
-def _schedule_json(schedule: tuple | None) -> list | None:
+def _schedule_json(schedule) -> list | None:
     """An aggregation schedule ((start, A), ...) as meta.json holds it; None without aggregation."""
     return [list(p) for p in schedule] if schedule is not None else None
 
@@ -210,11 +211,11 @@ def check_schedule(path: Path, schedule: tuple | None, fragments: int = 1, feder
     checkpoint recorded them (`federation`: this run's FedAvgConfig; FedAvg.saved_with). One from
     before meta.json held them passes, unless its FedAvg state was saved by bucket number."""
     meta = json.loads((path / "meta.json").read_text())
-    schedule = _schedule_json(schedule)
-    if "schedule" in meta and meta["schedule"] != schedule:
+    wanted = _schedule_json(schedule)
+    if "schedule" in meta and meta["schedule"] != wanted:
         raise ConfigError(
             f"trainer.resume=auto: {path} was saved with algorithm.every={meta['schedule']}, "
-            f"this run has algorithm.every={schedule}; resume with the same algorithm.every "
+            f"this run has algorithm.every={wanted}; resume with the same algorithm.every "
             f"or use a new hydra.run.dir"
         )
     if meta.get("fragments", 1) != fragments:
@@ -258,7 +259,7 @@ class Checkpointer:
         self.root = Path(run_dir) / "checkpoints"
         self.shape, self.algorithm, self.every, self.last_step = shape, algorithm, every, last_step
         self.keep_last, self.async_save = keep_last or None, async_save
-        self.pending = None  # (step, path, future) of an async save not yet marked COMPLETE
+        self.pending: tuple | None = None  # (step, path, future) of an async save not yet marked COMPLETE
         self.rank = dist.get_rank()
         self.federation_index = shape.coords(self.rank)[0]
         size = shape.group_size

@@ -9,6 +9,7 @@ momentum; it takes the average as it is and keeps no anchor.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -73,12 +74,14 @@ class OuterState:
         """start: the weights, flat."""
         self.anchor = start.detach().to(torch.float32, copy=True)
         if config.name == "sgd":
-            self.optimizer = torch.optim.SGD(
-                [self.anchor], lr=config.lr, momentum=config.momentum, nesterov=config.nesterov
+            self.optimizer: torch.optim.Optimizer = torch.optim.SGD(
+                [self.anchor], lr=cast(float, config.lr), momentum=config.momentum, nesterov=config.nesterov
             )
-        else:
-            betas = tuple(map(float, config.betas))
-            self.optimizer = torch.optim.Adam([self.anchor], lr=config.lr, betas=betas, eps=config.eps)
+        else:  # lr and eps: OuterConfig gave them their defaults
+            betas = (float(config.betas[0]), float(config.betas[1]))
+            self.optimizer = torch.optim.Adam(
+                [self.anchor], lr=cast(float, config.lr), betas=betas, eps=cast(float, config.eps)
+            )
         # the state torch would create at the first step, made now so a checkpoint can load into it
         # (same values: a zero momentum buffer times momentum plus the gradient is the gradient)
         state = self.optimizer.state[self.anchor]

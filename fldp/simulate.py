@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from typing import cast
 
 import torch
 from torch import nn
@@ -109,7 +110,7 @@ class Simulation:
 
     def exchange(self, due: Exchange) -> None:
         """The aggregation after a step: the trainer's bucket arithmetic over the stacked groups."""
-        self.federation.exchange(due)
+        cast(StackedFedAvg, self.federation).exchange(due)  # called only where there is a federation
 
     # --- evaluation ------------------------------------------------------------------------------
     def held_out(self, ranks: int) -> torch.Tensor:
@@ -139,7 +140,7 @@ class Simulation:
         return total / len(x)
 
     def eval_row(self, step: int, groups_differ: bool) -> dict:
-        """As trainer.eval_row: groups that are identical hold one model, scored on the world's
+        """As fldp.evaluation.eval_row: groups that are identical hold one model, scored on the world's
         slices of the split; groups that differ are each scored on the whole split, and the loss is
         their plain average's (full federation) or the mean of their losses (partial federation)."""
         start = time.perf_counter()
@@ -147,7 +148,7 @@ class Simulation:
         world, F = self.shape.world, self.shape.federation
         if not (groups_differ or self.partial):
             loss = self.evaluate({n: p[:1] for n, p in params.items()}, world).item()
-            extra = {"eval_of": ONE_MODEL}
+            extra: dict = {"eval_of": ONE_MODEL}
         else:
             group_losses = self.evaluate(params, world // F).tolist()
             extra = {"group_perplexity": [math.exp(x) for x in group_losses]}
@@ -155,7 +156,7 @@ class Simulation:
                 loss = sum(group_losses) / len(group_losses)
                 extra["eval_of"] = GROUPS_MEAN
             else:
-                loss = self.evaluate(self.federation.averaged(), world).item()
+                loss = self.evaluate(cast(StackedFedAvg, self.federation).averaged(), world).item()
                 extra.update(eval_of=AVERAGE, averaged=True)
         return {
             "split": "eval",
@@ -185,7 +186,7 @@ class Simulation:
             "aggregated": bool(due),
         }
         if due:  # as the trainer's rows
-            row.update(fragment_fields(self.fedavg, due))
+            row.update(fragment_fields(cast(FedAvgConfig, self.fedavg), due))  # due: there is a federation
         return row
 
     def run(self, run_dir: str) -> dict:

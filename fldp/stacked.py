@@ -15,6 +15,7 @@ arithmetic the trainer's two-stage exchange runs.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 
@@ -94,7 +95,7 @@ class StackedFedAvg:
         groups = self.stacked[bucket.names[0]].shape[0]
         if self.quantizer is not None:
             bucket.reference = bucket.weights()
-        if self.config.outer.error_feedback:
+        if self.config.outer.error_feedback and self.quantizer is not None:  # error feedback needs one
             bucket.residuals = [
                 residual_for(bucket.numel, groups, self.quantizer, bucket.shards[0].device) for _ in range(groups)
             ]
@@ -112,7 +113,7 @@ class StackedFedAvg:
                 bucket.flying = (bucket.mean(self.quantizer, feedback=True), None)
         for bucket in self.buckets:
             if bucket.fragment in due.merges:
-                (mean, _), bucket.flying = bucket.flying, None
+                (mean, _), bucket.flying = cast(tuple, bucket.flying), None  # sent at this or an earlier step
                 bucket.merge(mean, due.alpha)
 
     @torch.no_grad()

@@ -22,3 +22,8 @@ def test_ruff_finds_nothing_to_fix():
 def test_the_code_is_as_ruff_formats_it():
     out = tool("ruff", "format", "--check", ".")
     assert out.returncode == 0, out.stdout[-4000:]
+
+
+def test_mypy_finds_no_type_error():
+    out = tool("mypy")
+    assert out.returncode == 0, out.stdout[-4000:]
