@@ -47,7 +47,7 @@ CLAIMS = (
     ("FL+HSDP reaches a lower perplexity than FL+FSDP", "fl_fsdp", "fl_hsdp"),
 )
 HALF_WIDTH, TARGET, MIN_SEEDS = 0.018, 0.02, 10  # the plan: N for +-1.8%, the target +-2%, N >= 10
-MAX_SEEDS = 20  # the plan's amendment 1: at the pilot's SDs the rule asked for 109-1,272 seeds
+MAX_SEEDS = 20  # the plan's amendment 1: at the pilot's SDs the rule asked for 77-668 seeds (results/pilot.csv)
 PHASES = ("tune", "hsdp", "pilot", "judge")
 
 
