@@ -42,13 +42,10 @@ def workload() -> Workload:
         cfg = compose("config", overrides=["topology=leonardo_512", "model=llama3_1_8b"])
     model = build_model(llama_config(cfg.model, cfg.model.vocab_size), "meta")
     units = model_units(model, DTYPES["bf16"])
-    full = [0.0] * units.L
-    for shape, unit in units.params:
-        full[unit] += math.prod(shape) * units.element_size
     params = sum(p.numel() for p in model.parameters())
     c = model.config
     per_token = flops_per_token(params, c.vocab_size * c.hidden_size, c.num_hidden_layers, c.hidden_size, 2048)
-    return Workload(tuple(full), per_token, cfg.trainer.batch_size * cfg.dataset.block_size)
+    return Workload(tuple(units.full_bytes()), per_token, cfg.trainer.batch_size * cfg.dataset.block_size)
 
 
 LEONARDO = Hardware()  # the published figures (fldp/steptime.py)

@@ -81,6 +81,13 @@ class Units:
             out[unit] += math.ceil(shape[0] / S) * math.prod(shape[1:]) * self.element_size
         return out
 
+    def full_bytes(self) -> list[int]:
+        """Per unit, its parameters in full (what an all-gather gives), the root last."""
+        out = [0] * self.L
+        for shape, unit in self.params:
+            out[unit] += math.prod(shape) * self.element_size
+        return out
+
     def local_shards(self, S: int, index: int) -> list[int]:
         """Bytes of each parameter's unpadded local shard on shard index `index` (FedAvg's input)."""
         out = []
@@ -101,6 +108,17 @@ def model_units(model, dtype: torch.dtype) -> Units:
     return Units(
         params=params, element_size=torch.empty((), dtype=dtype).element_size(), names=tuple(n for n, _ in named)
     )
+
+
+def config_model(cfg) -> tuple:
+    """A composed config's Llama on the meta device (the vocabulary from the config, else its
+    tokenizer) and its Units in the run's dtype."""
+    from .data import load_tokenizer
+    from .model import DTYPES, build_model, llama_config
+
+    vocab = cfg.model.vocab_size or len(load_tokenizer(str(cfg.dataset.tokenizer)))
+    model = build_model(llama_config(cfg.model, vocab), "meta")
+    return model, model_units(model, DTYPES[cfg.trainer.precision])
 
 
 def tiers(network, shape: MeshShape) -> dict:
@@ -521,13 +539,7 @@ def paper_step_times() -> dict[str, float]:
 
 def table(cfg) -> list[dict]:
     """One row per algorithm, on the topology's layout for it."""
-    from .data import load_tokenizer
-    from .model import DTYPES, build_model, llama_config
-
-    vocab = cfg.model.vocab_size or len(load_tokenizer(str(cfg.dataset.tokenizer)))
-    dtype = DTYPES[cfg.trainer.precision]
-    model = build_model(llama_config(cfg.model, vocab), "meta")
-    units = model_units(model, dtype)
+    model, units = config_model(cfg)
     capacity = cfg.topology.get("memory_gb")
     measured = paper_step_times() if cfg.topology.name == "leonardo_512" else {}
     rows = []

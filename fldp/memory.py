@@ -20,7 +20,6 @@ state outweighs its activations.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 FP32 = 4
@@ -122,7 +121,7 @@ def predict_memory(
         "outer": _outer_state(outer, federated_bytes // e),
         "buffers and batch": buffers + batch * seq * INDEX,
     }
-    full = _unit_bytes(units)
+    full = units.full_bytes()
     root, largest_layer = full[-1], max(full[:-1], default=0)
     if checkpointing == "full":  # each layer's input only
         layers = m.layers * batch * seq * m.hidden * e
@@ -161,14 +160,6 @@ def _outer_state(outer: dict | None, elements: int) -> int:
     if outer.get("error_feedback"):
         slots += 1
     return slots * elements * FP32
-
-
-def _unit_bytes(units) -> list[int]:
-    """Each FSDP unit's parameters in full (what an all-gather gives), the root last."""
-    out = [0] * units.L
-    for shape, unit in units.params:
-        out[unit] += math.prod(shape) * units.element_size
-    return out
 
 
 def for_config(cfg, model, units, shape=None) -> Memory:

@@ -73,15 +73,11 @@ def candidates(configs: dict, everies: list[int]) -> list[Candidate]:
     """Each layout of the topology, with each A where it federates."""
     from omegaconf import open_dict
 
-    from .cost import model_units, predict_for
-    from .data import load_tokenizer
+    from .cost import config_model, predict_for
     from .memory import for_config
-    from .model import DTYPES, build_model, llama_config
 
     cfg = configs["fsdp"]
-    vocab = cfg.model.vocab_size or len(load_tokenizer(str(cfg.dataset.tokenizer)))
-    model = build_model(llama_config(cfg.model, vocab), "meta")
-    units = model_units(model, DTYPES[cfg.trainer.precision])
+    model, units = config_model(cfg)
     capacity = cfg.topology.get("memory_gb")
     out = []
     for shape in layouts(cfg.topology.nodes * cfg.topology.procs_per_node):
