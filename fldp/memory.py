@@ -21,6 +21,10 @@ state outweighs its activations.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .outer import OuterConfig
 
 FP32 = 4
 INDEX = 8  # int64 token ids
@@ -103,13 +107,13 @@ def predict_memory(
     seq: int,
     optimizer: str = "adamw",
     momentum: float = 0.0,
-    outer: dict | None = None,
+    outer: OuterConfig | None = None,
     federated_bytes: int = 0,
     checkpointing: str = "none",
     buffers: int = 0,
 ) -> Memory:
     """units: fldp.cost.Units (the parameters by FSDP unit, in their dtype); shard: S; batch, seq:
-    the rank's sequences per step and their length; outer: fldp.aggregation's OuterConfig as a dict
+    the rank's sequences per step and their length; outer: the outer optimiser's config
     (None: no federation); federated_bytes: this rank's unpadded local shards of the federated
     parameters, in the parameters' dtype."""
     e = units.element_size
@@ -147,17 +151,17 @@ def _inner_state(name: str, momentum: float, params: int, tensors: int) -> int:
     return params if momentum else 0  # SGD's momentum buffer
 
 
-def _outer_state(outer: dict | None, elements: int) -> int:
+def _outer_state(outer: OuterConfig | None, elements: int) -> int:
     """fp32 anchor and outer state (FedAvg itself, sgd lr 1 without momentum, keeps none); a
     quantised exchange's reference (without an outer optimiser: the parameters' dtype, counted
     here as fp32, an upper bound) and residual (fp32)."""
     if outer is None:
         return 0
-    plain = outer["name"] == "sgd" and outer["lr"] in (None, 1, 1.0) and not outer["momentum"]
-    slots = 0 if plain else 1 + (2 if outer["name"] == "adam" else 1 if outer["momentum"] else 0)
-    if outer.get("quantize") and plain:
+    plain = outer.averages
+    slots = 0 if plain else 1 + (2 if outer.name == "adam" else 1 if outer.momentum else 0)
+    if outer.quantize and plain:
         slots += 1
-    if outer.get("error_feedback"):
+    if outer.error_feedback:
         slots += 1
     return slots * elements * FP32
 
@@ -172,14 +176,7 @@ def for_config(cfg, model, units, shape=None) -> Memory:
     config = FedAvgConfig.from_algorithm(cfg.algorithm)
     outer, federated = None, 0
     if config is not None and (shape is None or shape.federation > 1):
-        o = config.outer
-        outer = {
-            "name": o.name,
-            "lr": o.lr,
-            "momentum": o.momentum,
-            "quantize": o.quantize,
-            "error_feedback": o.error_feedback,
-        }
+        outer = config.outer
         keep = config.federated(list(units.names))
         federated = sum(b for b, k in zip(units.local_shards(shard, 0), keep) if k)
     return predict_memory(
