@@ -54,6 +54,13 @@ def _layout(dim: str, *, _root_) -> int:
 OmegaConf.register_new_resolver("fldp_layout", _layout, replace=True)
 
 
+# conf/config.yaml's run-level sections, from the typed configuration (fldp/config.py): `- fldp_run`
+from hydra.core.config_store import ConfigStore  # noqa: E402
+
+from .config import run_defaults  # noqa: E402
+
+ConfigStore.instance().store(name="fldp_run", node=run_defaults())
+
 # Sweep points (fldp/sweep.py): hydra.sweep.subdir from the point's overrides, and no .hydra/ written
 # over the config of records a run leaves alone
 from .sweep import hydra_output_subdir, point_dirname  # noqa: E402

@@ -42,9 +42,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .buckets import Bucket, bucket_indices  # noqa: F401  (fldp.cost uses bucket_indices)
+from .config import default_of
 from .mesh import ConfigError, MeshShape
 from .outer import OUTER_DEFAULTS, OuterConfig, OuterState  # noqa: F401  (OUTER_DEFAULTS: for its users)
-from .quantize import Quantizer, residual_for
+from .quantize import codec_of
 from .schedule import aggregation_steps, schedule_of
 from .schema import check_values
 from .streaming import Exchange, StreamingConfig
@@ -71,10 +72,12 @@ def federated_mask(patterns, names: list[str]) -> list[bool]:
 @dataclass(frozen=True)
 class FedAvgConfig:
     every: object  # an integer A, or a schedule (see schedule_of)
-    mode: str = "leader_broadcast"
-    bucket_mb: float = 25.0
+    mode: str = default_of("algorithm.fedavg.mode")
+    bucket_mb: float = default_of("algorithm.fedavg.bucket_mb")
     outer: OuterConfig = field(default_factory=OuterConfig)
-    federate: tuple = (".*",)  # regular expressions over parameter names; the rest stays local
+    federate: tuple = tuple(
+        default_of("algorithm.federate")
+    )  # regular expressions over parameter names; the rest stays local
     streaming: StreamingConfig = field(default_factory=StreamingConfig)  # fragments aggregated apart
     # [[start, A], ...] from `every`, set on construction
     schedule: tuple = field(default=(), init=False, repr=False, compare=False)
@@ -151,8 +154,8 @@ class FedAvgConfig:
         federate = tuple(cast(list, OmegaConf.to_container(federate)) if OmegaConf.is_config(federate) else federate)
         return cls(
             every=every,
-            mode=fedavg.get("mode", "leader_broadcast"),
-            bucket_mb=fedavg.get("bucket_mb", 25.0),
+            mode=fedavg.get("mode", default_of("algorithm.fedavg.mode")),
+            bucket_mb=fedavg.get("bucket_mb", default_of("algorithm.fedavg.bucket_mb")),
             outer=OuterConfig(**outer),
             federate=federate,
             streaming=StreamingConfig.from_algorithm(algorithm_cfg),
@@ -199,7 +202,7 @@ class FedAvg:
         self.broadcast = config.mode == "leader_broadcast" and shape.replicate > 1
         self.leads = not self.broadcast or mesh["replicate"].get_local_rank() == 0
         # quantised: each group's change is taken in fp32 and crosses in 8 or 4 bits (fldp/quantize.py)
-        self.quantizer = Quantizer.of(config.outer)
+        self.quantizer = codec_of(config.outer)
         self.reduce_dtype = torch.float32 if self.quantizer else REDUCE_DTYPES[config.outer.reduce_dtype]
         self.transport = transport_for(self.quantizer, mesh, shape.federation, elastic)
         if elastic is None:  # elastic: a healing group's copy_ of its peer's shards checks their shapes
@@ -227,7 +230,7 @@ class FedAvg:
             bucket.reference = bucket.weights()
             self.transport.share(bucket.reference)
         if self.config.outer.error_feedback and self.quantizer is not None:  # error feedback needs one
-            bucket.residual = residual_for(bucket.numel, self.shape.federation, self.quantizer, bucket.shards[0].device)
+            bucket.residual = self.quantizer.residual(bucket.numel, self.shape.federation, bucket.shards[0].device)
         if self.leads and not self.config.outer.averages:
             start = bucket.reference if bucket.reference is not None else bucket.weights()
             bucket.outer = OuterState(self.config.outer, start)

@@ -29,10 +29,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .aggregation import REDUCE_DTYPES, OuterConfig, bucket_indices, federated_mask
+from .aggregation import REDUCE_DTYPES, bucket_indices, federated_mask
+from .config import default_of
 from .memory import for_config
 from .mesh import DIMS, MeshShape
-from .quantize import Quantizer
+from .quantize import Quantizer, codec_of
 from .schedule import aggregation_steps, schedule_of
 from .streaming import StreamingConfig
 
@@ -459,7 +460,11 @@ def predict_for(
     federated = federated_mask(patterns, list(units.names)) if units.names else None
     reduce_dtype = REDUCE_DTYPES[(cfg.algorithm.get("outer") or {}).get("reduce_dtype")]
     # FL+HSDP's mode: the configured algorithm's, else the one the topology's reference numbers ran
-    mode = (cfg.algorithm.get("fedavg") or {}).get("mode") or cfg.topology.get("fedavg_mode", "leader_broadcast")
+    mode = (
+        (cfg.algorithm.get("fedavg") or {}).get("mode")
+        or cfg.topology.get("fedavg_mode")
+        or default_of("algorithm.fedavg.mode")
+    )
     bucket_mb = (cfg.algorithm.get("fedavg") or {}).get("bucket_mb", 25.0)
     network = network if network is not None else cfg.topology.network
     leaders = mode == "leader_broadcast" and shape.replicate > 1
@@ -490,13 +495,8 @@ def predict_for(
 
 
 def quantizer_of(cfg) -> Quantizer | None:
-    """algorithm.outer.quantize's Quantizer (None: not quantised)."""
-    outer = cfg.algorithm.get("outer") or {}
-    return (
-        Quantizer(outer["quantize"], outer.get("quantize_block", OuterConfig.quantize_block))
-        if outer.get("quantize")
-        else None
-    )
+    """algorithm.outer.quantize's codec (None: not quantised)."""
+    return codec_of(cfg.algorithm.get("outer") or {})
 
 
 def link_extra(cfg, units: Units, aggregates: bool | None = None, shape: MeshShape | None = None) -> float:
@@ -671,7 +671,7 @@ def _memory_table(cfg, rows):
     capacity = cfg.topology.get("memory_gb")
     if capacity:
         columns.append((f"fits {capacity:g} GB", ["yes" if r["memory_fits"] else "no" for r in rows]))
-    checkpointing = cfg.model.get("activation_checkpointing", "none")
+    checkpointing = cfg.model.get("activation_checkpointing", default_of("model.activation_checkpointing"))
     return _table(
         f"Memory per rank at its peak (fldp/memory.py; activation checkpointing: {checkpointing})", columns, rows
     )

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from . import faults
+from .config import default_of
 from .errors import ConfigError, Interrupted, WorkerError
 from .streaming import StreamingConfig
 
@@ -346,8 +347,8 @@ def _supervise(start, shape, cluster_cfg, run_dir: str, network=None) -> None:
     lighthouse = ctx.Process(target=_lighthouse, name="fldp-lighthouse", args=(out, os.getpid(), network), daemon=True)
     groups = [_Group(g) for g in range(shape.federation)]
     every = [lighthouse]  # every process started, for the interrupt handler
-    restart_failed = cluster_cfg.get("restart_failed_groups", True)
-    max_restarts = cluster_cfg.get("max_restarts", 3)
+    restart_failed = cluster_cfg.get("restart_failed_groups", default_of("cluster.restart_failed_groups"))
+    max_restarts = cluster_cfg.get("max_restarts", default_of("cluster.max_restarts"))
 
     def begin(group: _Group, address: str) -> None:
         start(group, address)

@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .config import default_of
+
 if TYPE_CHECKING:
     from .outer import OuterConfig
 
@@ -189,6 +191,6 @@ def for_config(cfg, model, units, shape=None) -> Memory:
         cfg.optimizer.momentum,
         outer,
         federated,
-        cfg.model.get("activation_checkpointing", "none"),
+        cfg.model.get("activation_checkpointing", default_of("model.activation_checkpointing")),
         sum(b.numel() * b.element_size() for b in model.buffers()),
     )

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .config import default_of
 from .errors import ConfigError
 
 KINDS = {"int8": (8, 127.0), "int4": (4, 7.0), "fp8": (8, 448.0)}  # bits, the largest magnitude
@@ -53,6 +54,21 @@ class Quantizer:
     def of(cls, outer) -> Quantizer | None:
         """From an OuterConfig; None without quantisation."""
         return cls(outer.quantize, outer.quantize_block) if outer.quantize else None
+
+    # A codec's interface, all its callers use (the trainer's transport, the simulator, FedAvg's
+    # buckets, the cost model): chunk, wire_bytes, mean, all_reduce_mean, residual.
+
+    def mean(self, changes: list[torch.Tensor], residuals: list | None = None) -> torch.Tensor:
+        """The groups' changes -> what the exchange leaves every group, in one process (quantized_mean)."""
+        return quantized_mean(changes, self, residuals)
+
+    def all_reduce_mean(self, flat: torch.Tensor, group, residual: torch.Tensor | None = None) -> None:
+        """mean's arithmetic over the federation group's collectives, in place (all_reduce_mean)."""
+        all_reduce_mean(flat, self, group, residual)
+
+    def residual(self, numel: int, groups: int, device) -> torch.Tensor:
+        """A zero error-feedback residual for a bucket of `numel` elements (residual_for)."""
+        return residual_for(numel, groups, self, device)
 
     @property
     def bits(self) -> int:
@@ -164,3 +180,15 @@ def all_reduce_mean(flat: torch.Tensor, q: Quantizer, group, residual: torch.Ten
 def residual_for(numel: int, groups: int, q: Quantizer, device) -> torch.Tensor:
     """A zero error-feedback residual for a bucket of `numel` elements (its padded length)."""
     return torch.zeros(groups * q.chunk(numel, groups), dtype=torch.float32, device=device)
+
+
+# The codecs by algorithm.outer.quantize's name (fldp/config.py QUANTIZE lists the same names): a new
+# compression is a class with Quantizer's interface, named here
+CODECS: dict[str, type[Quantizer]] = {kind: Quantizer for kind in KINDS}
+
+
+def codec_of(outer) -> Quantizer | None:
+    """algorithm.outer's codec (an OuterConfig, or its mapping); None: the exchange is not compressed."""
+    get = outer.get if hasattr(outer, "get") else lambda k, d=None: getattr(outer, k, d)
+    kind = get("quantize")
+    return CODECS[kind](kind, get("quantize_block", default_of("algorithm.outer.quantize_block"))) if kind else None

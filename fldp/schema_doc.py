@@ -1,16 +1,19 @@
-"""The configuration reference, generated from the schema: one table row per key of `fldp.schema.KEYS`.
+"""The configuration reference, generated from the typed configuration: one table row per key of
+`fldp.config.KEYS`.
 
 `reference_markdown()` is the docs site's page `reference/config.md` (docs/hooks.py adds it when
 MkDocs builds the site), so the page lists exactly the keys `python -m fldp.train` checks, with what
-each accepts (type, range or choices, null), and where it applies (`Spec.when`), and cannot drift
-from them. It reads the schema only: no torch, no config is composed.
+each is for, its default, what it accepts (type, range or choices, null), and where it applies
+(`Spec.when`), and cannot drift from them. It reads fldp/config.py only: no torch, no config is
+composed.
 """
 
 from __future__ import annotations
 
 from .schema import KEYS, RULES, ListOf, MapOf, Section, Spec
+from .spec import REQUIRED
 
-# Where each top-level name's keys are set; the rest are in conf/config.yaml.
+# Where each group's keys are set; the run-level sections' defaults are fldp/config.py's.
 GROUP_FILES = {
     "algorithm": "conf/algorithm/*.yaml",
     "topology": "conf/topology/*.yaml",
@@ -32,6 +35,14 @@ def _value(v) -> str:
     if v is None or isinstance(v, bool):
         return "`" + {None: "null", True: "true", False: "false"}[v] + "`"
     return f"`{v}`"
+
+
+def default(spec: Spec) -> str:
+    """The value a key has unless a config sets it; none where each option file of its group does."""
+    if spec.default is REQUIRED or isinstance(spec, Section):
+        return ""
+    value = list(spec.default) if isinstance(spec.default, tuple) else spec.default
+    return _md(str(value)) if isinstance(value, (list, dict)) and value else _value(value)
 
 
 def _either(values) -> str:
@@ -103,24 +114,29 @@ def reference_markdown() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "Every key of every config group, as `fldp/schema.py` (its table `KEYS`) checks it before any",
-        "worker starts or any job is submitted. This page is generated from that table when the site is",
-        "built (`fldp/schema_doc.py`), so do not edit it: a new key is one line in `KEYS`. *Accepts*: the",
-        "type and range or choices; *null*: whether `null` is valid; *applies*: where the key is a setting",
-        "(set elsewhere it is refused; *needed* where it must be set), and *may be absent* where variants",
-        "of its group lack it. The values are in the files under `conf/`: each option's file, the defaults",
-        "in `conf/config.yaml`, and a topology or experiment may set keys of other groups (`leonardo_512`",
-        "sets the paper's whole setting); how groups and overrides compose:",
-        "[Configuration](../configuration.md).",
+        "Every key of every config group, as `fldp/schema.py` checks it before any worker starts or any",
+        "job is submitted. This page is generated, when the site is built (`fldp/schema_doc.py`), from",
+        "the typed configuration `fldp/config.py`, the one place a key is declared: a new key is one",
+        "field there. *Default*: the value it has unless a config sets it (the run-level sections' reach",
+        "Hydra from there as `fldp_run`; a group's keys without one are set by each option's file);",
+        "*accepts*: the type and range or choices; *null*: whether `null` is valid; *applies*: where the",
+        "key is a setting (set elsewhere it is refused; *needed* where it must be set), and *may be",
+        "absent* where variants of its group lack it (its default is then what absence means). A",
+        "topology or experiment may set keys of other groups (`leonardo_512` sets the paper's whole",
+        "setting); how groups and overrides compose: [Configuration](../configuration.md).",
         "",
     ]
     for group, keys in groups.items():
-        where = GROUP_FILES.get(group, "conf/config.yaml")
-        said = f"Each option's file: `{where}`." if group in GROUP_FILES else f"Defaults: `{where}`."
-        lines += [f"## `{group}`", "", said, "", "| key | accepts | null | applies |", "|---|---|---|---|"]
+        where = GROUP_FILES.get(group)
+        said = f"Each option's file: `{where}`." if where else "Defaults: `fldp/config.py` (Hydra's `fldp_run`)."
+        header = "| key | what it is for | default | accepts | null | applies |"
+        lines += [f"## `{group}`", "", said, "", header, "|---|---|---|---|---|---|"]
         for key in keys:
             spec = KEYS[key]
-            lines.append(f"| `{key}` | {accepts(spec)} | {'yes' if spec.null else 'no'} | {applies(key, spec)} |")
+            lines.append(
+                f"| `{key}` | {_md(spec.doc)} | {default(spec)} | {accepts(spec)} | {'yes' if spec.null else 'no'} "
+                f"| {applies(key, spec)} |"
+            )
         lines.append("")
     lines += [
         "## Rules across keys",

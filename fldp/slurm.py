@@ -25,6 +25,7 @@ from typing import cast
 
 from omegaconf import OmegaConf
 
+from .config import default_of
 from .errors import ConfigError, WorkerError
 from .mesh import MeshShape
 from .schedule import schedule_text
@@ -145,7 +146,7 @@ def elastic_plan(cfg, shape: MeshShape, run_dir: str) -> str:
     return (
         f"--- elastic federation: the job's one task (first node) runs the torchft lighthouse and starts "
         f"each group as a job step, again when it fails (cluster.max_restarts="
-        f"{cfg.cluster.get('max_restarts', 3)}); MASTER_PORT per group and restart ---\n{steps}"
+        f"{cfg.cluster.get('max_restarts', default_of('cluster.max_restarts'))}); MASTER_PORT per group and restart ---\n{steps}"
     )
 
 

@@ -8,7 +8,7 @@ shard index are bucketed as that rank's are (fldp.aggregation.make_buckets: per 
 parameter order, algorithm.fedavg.bucket_mb): so a quantised exchange quantises the same blocks. A
 bucket's reference, anchor and outer state are group 0's (every group holds the same ones); each
 group has its own error-feedback residual. The mean is the groups' sum over the stacked dimension,
-divided (the collective sums in another order), or fldp.quantize.quantized_mean of the changes, the
+divided (the collective sums in another order), or the codec's mean of the changes (fldp/quantize.py), the
 arithmetic the trainer's two-stage exchange runs.
 """
 
@@ -22,7 +22,7 @@ import torch
 from .aggregation import FedAvgConfig, bucket_indices
 from .buckets import Bucket
 from .outer import OuterState
-from .quantize import Quantizer, quantized_mean, residual_for
+from .quantize import Quantizer, codec_of
 from .streaming import Exchange
 
 
@@ -55,7 +55,7 @@ class StackedBucket(Bucket):
         if quantizer is None:
             return torch.cat([t.sum(dim=0).reshape(-1) for t in self.every_group()]).div_(groups)
         changes = [self.copy_out(self.of_group(g)) for g in range(groups)]
-        return quantized_mean(changes, quantizer, self.residuals if feedback else None)
+        return quantizer.mean(changes, self.residuals if feedback else None)
 
     def merge(self, mean: torch.Tensor, alpha: float) -> None:
         """The outer step on the mean, and its new weights into every group, lerp'd with each group's
@@ -74,7 +74,7 @@ class StackedFedAvg:
         self.config, self.stacked = config, stacked
         names = list(stacked)
         self.federated = [n for n, keep in zip(names, config.federated(names)) if keep]
-        self.quantizer = Quantizer.of(config.outer)
+        self.quantizer = codec_of(config.outer)
         dtype = torch.float32 if self.quantizer else None  # the simulator refuses a casting reduce_dtype
         fragment = config.streaming.fragment_of(self.federated)
         self.buckets: list[StackedBucket] = []
@@ -97,7 +97,7 @@ class StackedFedAvg:
             bucket.reference = bucket.weights()
         if self.config.outer.error_feedback and self.quantizer is not None:  # error feedback needs one
             bucket.residuals = [
-                residual_for(bucket.numel, groups, self.quantizer, bucket.shards[0].device) for _ in range(groups)
+                self.quantizer.residual(bucket.numel, groups, bucket.shards[0].device) for _ in range(groups)
             ]
         if not self.config.outer.averages:
             start = bucket.reference if bucket.reference is not None else bucket.weights()

@@ -30,10 +30,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .config import StreamingSettings
 from .errors import ConfigError
 from .model import fsdp_unit
-
-LAYOUTS = ("strided", "contiguous")
 
 
 @dataclass(frozen=True)
@@ -60,23 +59,9 @@ class Exchange:
 
 
 @dataclass(frozen=True)
-class StreamingConfig:
-    """algorithm.streaming: how the federated parameters are split and when each part aggregates."""
-
-    fragments: int = 1
-    layout: str = "strided"
-    overlap: int = 0
-    alpha: float = 0.0
-
-    def __post_init__(self):
-        if self.layout not in LAYOUTS:
-            raise ConfigError(f"algorithm.streaming.layout={self.layout!r}: must be one of {', '.join(LAYOUTS)}")
-        if isinstance(self.fragments, bool) or not isinstance(self.fragments, int) or self.fragments < 1:
-            raise ConfigError(f"algorithm.streaming.fragments={self.fragments!r}: must be an integer >= 1")
-        if isinstance(self.overlap, bool) or not isinstance(self.overlap, int) or self.overlap < 0:
-            raise ConfigError(f"algorithm.streaming.overlap={self.overlap!r}: must be an integer >= 0")
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0 <= self.alpha <= 1:
-            raise ConfigError(f"algorithm.streaming.alpha={self.alpha!r}: must be a number in [0, 1]")
+class StreamingConfig(StreamingSettings):
+    """algorithm.streaming (its keys: fldp/config.py): how the federated parameters are split and
+    when each part aggregates."""
 
     @property
     def exchanges(self) -> bool:

@@ -22,6 +22,7 @@ from . import elastic, faults
 from .aggregation import FedAvg, FedAvgConfig
 from .checkpoint import Checkpointer, latest
 from .comm import CommMeter
+from .config import default_of
 from .cost import tier_bandwidth
 from .data import Blocks, RankBatches
 from .evaluation import AVERAGE, GROUPS_MEAN, ONE_MODEL, Evaluation  # noqa: F401  (fldp.simulate's, from here)
@@ -73,7 +74,7 @@ def sharded_model(cfg, vocab_size: int, mesh, device: torch.device):
     `model.init_device` (cpu: built in full, then sharded; meta: only this rank's shard exists)."""
     meta = cfg.model.init_device == "meta"
     model = build_model(llama_config(cfg.model, vocab_size), "meta" if meta else device)
-    checkpointing = cfg.model.get("activation_checkpointing", "none")
+    checkpointing = cfg.model.get("activation_checkpointing", default_of("model.activation_checkpointing"))
     model = parallelize(model, mesh, DTYPES[cfg.trainer.precision], cfg.fsdp.reshard_root_after_forward, checkpointing)
     init_weights(model, device, cfg.seed)
     return model

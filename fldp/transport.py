@@ -7,8 +7,9 @@ apart from what a bucket does with the mean.
 - `ElasticMean`: torchft's Manager (fldp.elastic.Federation) over the groups alive: a quorum before
   the exchange, and a commit after it that decides whether the mean is applied.
 
-A new compression of the outer exchange is a transport (and its arithmetic in fldp/quantize.py, which
-the simulator shares); FedAvg and the buckets do not change.
+A new compression of the outer exchange is a codec in fldp/quantize.py (CODECS: its one-process mean,
+which the simulator runs, and the same arithmetic over the group's collectives, which QuantizedMean
+runs); the transports, FedAvg, the buckets and the simulator do not change (docs/development.md).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .quantize import Quantizer, all_reduce_mean
+from .quantize import Quantizer
 
 
 class Divided:
@@ -68,7 +69,7 @@ class QuantizedMean(GroupMean):
         self.quantizer = quantizer
 
     def mean(self, flat: torch.Tensor, residual: torch.Tensor | None = None) -> Divided:
-        all_reduce_mean(flat, self.quantizer, self.group, residual)
+        self.quantizer.all_reduce_mean(flat, self.group, residual)
         return Divided(None, flat, 1)
 
 

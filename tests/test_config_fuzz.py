@@ -410,10 +410,10 @@ def culprits(cfg: dict, changed: set) -> set:
     for key, spec in schema.KEYS.items():  # a variant's keys: needed in it, refused outside it
         if spec.when:
             section, _, leaf = key.rpartition(".")
-            holds = schema._Check(cfg, {}).holds(spec.when)
-            parent = schema._Check(cfg, {}).lookup(section)
+            holds = schema.Checker(cfg, {}).holds(spec.when)
+            parent = schema.Checker(cfg, {}).lookup(section)
             present = isinstance(parent, dict) and leaf in parent
-            needed = schema._Check(cfg, {}).holds(spec.needed_when or spec.when) and not spec.optional
+            needed = schema.Checker(cfg, {}).holds(spec.needed_when or spec.when) and not spec.optional
             if (present and not holds) or (not present and needed):
                 bad |= {key, spec.when[0]}
     # the changed keys among them, or holding them, or held by them
