@@ -245,6 +245,7 @@ KEYS: dict[str, Spec] = {
     "topology.paper_setting": Bool(optional=True),
     "topology.fedavg_mode": Choice(*MODES, optional=True),
     "topology.emulation": Choice("netns", None, optional=True),  # netns: emulated nodes
+    "topology.profile": Text(null=True, optional=True),  # fldp-calibrate's output (fldp/steptime.py hardware_for)
     # model: conf/model/*.yaml (transformers' LlamaConfig)
     "model.name": Text(),
     "model.vocab_size": Int(ge=1, null=True),
