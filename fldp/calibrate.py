@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from .errors import ConfigError
+from .errors import ConfigError, Interrupted, WorkerError
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 DEFAULT_SIZES = tuple(4096 * 4**k for k in range(7))  # 4 KiB .. 16 MiB, x4
@@ -448,7 +448,15 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     out = settings.out or default_out()
     start = time.monotonic()
-    if run(cfg, settings, out):
+    try:
+        measured = run(cfg, settings, out)
+    except Interrupted as e:  # the workers were stopped and the namespaces removed
+        print(f"fldp-calibrate: {e}", file=sys.stderr)
+        raise SystemExit(e.exit_code) from None
+    except (ConfigError, WorkerError) as e:
+        print(f"fldp-calibrate: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    if measured:
         print_profile(yaml.safe_load(Path(out).read_text()), out, time.monotonic() - start)
 
 
