@@ -270,6 +270,11 @@ class TopologyConfig:
         Choice(*MODES, optional=True), "algorithm.fedavg.mode its reference numbers ran with", None
     )
     emulation: str | None = setting(Choice("netns", None, optional=True), "netns: emulated nodes (fldp/netns.py)", None)
+    profile: str | None = setting(
+        Text(null=True, optional=True),
+        "a profile fldp-calibrate wrote (compute, alpha and beta per tier); null: the published figures",
+        None,
+    )
 
 
 @dataclass(frozen=True)

@@ -17,13 +17,15 @@ Terms, per GPU and step:
   `network` x nodes^-`span` (MiCS: collectives over more nodes reach less of the link);
 - the optimizer: AdamW reads parameters, gradients and two moments and writes three, at HBM speed;
 - the aggregation: the federated shards' all-reduce over the groups every A steps, amortised.
-The free terms (`Efficiency`) are fitted to measured phase times (analysis/steptime_fit.py).
+The free terms (`Efficiency`) are fitted to measured phase times (analysis/steptime_fit.py). A
+node measured by fldp-calibrate (`topology.profile`) gives its own terms instead: `hardware_for`,
+`Hardware.from_profile`, with `MEASURED`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,28 @@ class Hardware:
     hbm: float = 1.6e12  # bytes/s
     gpus_per_node: int = 4
     latency: float = 10e-6  # seconds per ring step across nodes
+    node_latency: float = 0.0  # seconds per ring step inside a node (NVLink's: neglected)
+
+    @classmethod
+    def from_profile(cls, profile: dict, base: Hardware | None = None) -> Hardware:
+        """The node fldp-calibrate measured (its profile, as read from YAML): the sustained FLOP/s of
+        forward + backward as the peak, so use it with MEASURED; each tier's beta and alpha; the
+        node's NICs as the shared tier's beta times its ranks (else one flow's). What it did not
+        measure (HBM) comes from `base` (default: the published figures)."""
+        if profile.get("format") != 1:
+            raise ValueError(f"not a profile of fldp-calibrate's format 1: format={profile.get('format')!r}")
+        base = base or cls()
+        tiers, ranks = profile.get("tiers") or {}, profile["topology"]["procs_per_node"]
+        node, across = tiers.get("node"), tiers.get("inter-node")
+        shared = tiers.get("inter-node-shared")
+        found: dict = {"peak_flops": profile["compute"]["flop_s_train"], "gpus_per_node": ranks}
+        if node:
+            found.update(nvlink=node["beta_bytes_s"], node_latency=node["alpha_s"])
+        if across:
+            found.update(port=across["beta_bytes_s"], latency=across["alpha_s"], nic=across["beta_bytes_s"])
+        if shared:
+            found["nic"] = shared["beta_bytes_s"] * shared["groups_at_once"]
+        return replace(base, **found)
 
 
 @dataclass(frozen=True)
@@ -46,6 +70,22 @@ class Efficiency:
     compute: float = 0.5  # sustained share of peak FLOPs
     network: float = 0.5  # share of a flow's bandwidth a collective over 1 node pair reaches
     span: float = 0.05  # efficiency ~ nodes^-span
+
+
+# a calibrated Hardware (from_profile) is already what the machine sustains
+MEASURED = Efficiency(compute=1.0, network=1.0, span=0.0)
+
+
+def hardware_for(topology) -> Hardware:
+    """A topology's node: its profile's (topology.profile, fldp-calibrate's output, a path), else the
+    published figures."""
+    path = topology.get("profile")
+    if not path:
+        return Hardware()
+    import yaml
+
+    with open(path) as f:
+        return Hardware.from_profile(yaml.safe_load(f))
 
 
 @dataclass(frozen=True)
@@ -101,7 +141,7 @@ def dim_link(dim: str, shape, hw: Hardware, eff: Efficiency) -> Link:
     }[dim]
     g = hw.gpus_per_node
     if size <= 1 or size * stride <= g:
-        return Link(hw.nvlink * eff.network, 0.0, 1)
+        return Link(hw.nvlink * eff.network, hw.node_latency, 1)
     flows = min(stride, g)  # the dimension's groups in a node, each crossing it once per ring
     nodes = min(size, math.ceil(size * stride / g))
     # a collective over more nodes reaches less of its link (MiCS): nodes^-span

@@ -110,6 +110,8 @@ def test_each_command_has_its_own_help(installed, tmp_path):
     assert "fldp-train (or" not in cost.stdout and "fldp-cost topology=leonardo_512" in cost.stdout
     report = outside(installed, tmp_path, "fldp-report", "--help")
     assert report.returncode == 0 and report.stdout.startswith("usage: fldp-report "), report.stdout[:500]
+    calibrate = outside(installed, tmp_path, "fldp-calibrate", "--help")
+    assert calibrate.returncode == 0 and calibrate.stdout.startswith("fldp-calibrate: "), calibrate.stdout[:500]
     assert outside(installed, tmp_path, "-m", "fldp.analysis.report", "--help").stdout.startswith(
         "usage: python -m fldp.analysis.report "
     )

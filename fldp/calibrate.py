@@ -1,0 +1,502 @@
+"""fldp-calibrate: measure this machine (issue 31, item 2), as nccl-tests does, for the step-time
+model (fldp/steptime.py) to use instead of published figures.
+
+    fldp-calibrate topology=local_4 model=tiny_llama [calibrate.out=profile.yaml] [calibrate.sizes=[4096,65536]]
+
+- compute: one of the model's own decoder layers, built from the config on the topology's device in
+  the run's precision, on the run's tokens per rank (trainer.batch_size x dataset.block_size) and
+  the run's threads per rank: forward, and forward + backward, timed (median after warm-up), as
+  FLOP/s by steptime.flops_per_token's definition (backward: twice forward);
+- collectives: the topology's ranks as real processes (gloo on cpu, NCCL on cuda; on emulated nodes
+  inside their namespaces, as fldp-train starts them), per network tier: `node` (the ranks of
+  node 0), `inter-node` (one rank per node) and `inter-node-shared` (every rank of every node at
+  once, one ring per local rank: a node's link shared by its ranks). Each of all-gather,
+  reduce-scatter and all-reduce at every size of calibrate.sizes (bytes of the whole message: the
+  all-gather's output, the reduce-scatter's input), the slowest rank's time per repetition, median.
+  Then alpha (seconds per ring step) and beta (bytes/s per rank) by least squares on the ring model
+  t = steps x alpha + wire bytes / beta, (n-1) steps and (n-1)/n of the message per all-gather or
+  reduce-scatter, twice both per all-reduce (gloo's reduce-scatter is an all-reduce: docs/netns.md).
+
+It writes a profile (YAML; calibrate.out, else profile.yaml in a new outputs/DATE/TIME_calibrate) and
+prints it as tables. A topology uses it with topology.profile=PATH (steptime.Hardware.from_profile).
+cluster=slurm submits the same measurement as one SLURM job of the topology's shape.
+
+calibrate.* keys: out (path), sizes (bytes, a list), repeats (>= 1), warmup (>= 0), shared (bool:
+the inter-node-shared tier)."""
+
+from __future__ import annotations
+
+import datetime
+import difflib
+import functools
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from .errors import ConfigError, Interrupted, WorkerError
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+DEFAULT_SIZES = tuple(4096 * 4**k for k in range(7))  # 4 KiB .. 16 MiB, x4
+FORMAT = 1  # the profile's layout; steptime.Hardware.from_profile reads this one
+
+
+@dataclass(frozen=True)
+class Settings:
+    """calibrate.* keys."""
+
+    out: str | None = None
+    sizes: tuple[int, ...] = DEFAULT_SIZES
+    repeats: int = 5
+    warmup: int = 2
+    shared: bool = True
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+_CHECKS = {
+    "out": ("a path", lambda v: isinstance(v, str) and v != ""),
+    "sizes": (
+        "a list of message sizes in bytes, each an integer >= 4",
+        lambda v: v and all(_is_int(s) and s >= 4 for s in v),
+    ),
+    "repeats": ("an integer >= 1", lambda v: _is_int(v) and v >= 1),
+    "warmup": ("an integer >= 0", lambda v: _is_int(v) and v >= 0),
+    "shared": ("true or false", lambda v: isinstance(v, bool)),
+}
+
+
+def settings_of(overrides: list[str]) -> tuple[Settings, list[str]]:
+    """The calibrate.* overrides, checked (ConfigError naming the key), and the others for Hydra."""
+    values: dict[str, Any] = {}
+    rest = []
+    known = [f.name for f in fields(Settings)]
+    for o in overrides:
+        key, eq, text = o.lstrip("+").partition("=")
+        if not key.startswith("calibrate."):
+            rest.append(o)
+            continue
+        name = key.removeprefix("calibrate.")
+        if name not in known or not eq:
+            near = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean calibrate.{near[0]}?)" if near else f" (known: {', '.join(known)})"
+            raise ConfigError(f"{o}: not a calibrate setting{hint}" if name not in known else f"{o}: needs a value")
+        try:
+            value = yaml.safe_load(text) if text else None
+        except yaml.YAMLError:
+            value = None
+        if name == "sizes" and _is_int(value):
+            value = [value]
+        if name == "out" and value is not None:
+            value = text  # a path, as written
+        what, ok = _CHECKS[name]
+        if value is None or not ok(value):
+            raise ConfigError(f"calibrate.{name}={text}: must be {what}")
+        values[name] = tuple(value) if name == "sizes" else value
+    return Settings(**values), rest
+
+
+def compose(overrides: list[str]):
+    """The config, checked as fldp-train checks it, and the emulated nodes' requirements."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from . import CONF, netns
+    from .schema import check
+    from .slurm import submits
+
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        cfg = hydra_compose("config", overrides=overrides)
+    check(cfg)
+    netns.check(cfg, forks_locally=not submits(cfg))
+    return cfg
+
+
+# ---------------------------------------------------------------- the ring model and its fit
+
+
+def wire(kind: str, n: int, backend: str) -> tuple[float, float]:
+    """(ring steps, share of the message each rank sends) of one collective over n ranks."""
+    if kind == "all_reduce" or (kind == "reduce_scatter" and backend == "gloo"):
+        return 2.0 * (n - 1), 2.0 * (n - 1) / n
+    return float(n - 1), (n - 1) / n
+
+
+@dataclass(frozen=True)
+class Fit:
+    alpha_s: float  # seconds per ring step
+    beta_bytes_s: float  # bytes/s per rank
+    residual: float  # root mean square of (model - measured) / measured
+
+
+def fit(rows: list[tuple[float, float, float]]) -> Fit:
+    """Least squares of t = steps x alpha + bytes / beta over (steps, bytes sent, seconds) rows,
+    alpha and 1/beta kept >= 0 (scipy's nnls). Each row is weighted by 1/t, so the error is
+    relative: unweighted, the largest messages' seconds would swamp the small ones that fix alpha."""
+    from scipy.optimize import nnls
+
+    X = np.array([[s, b] for s, b, _ in rows], dtype=float)
+    y = np.array([t for _, _, t in rows], dtype=float)
+    if len(rows) < 2 or np.any(y <= 0):
+        raise ValueError(f"fit: needs at least 2 rows of positive times, got {rows}")
+    (alpha, inverse), _ = nnls(X / y[:, None], np.ones_like(y))
+    residual = float(np.sqrt(np.mean(((X @ [alpha, inverse] - y) / y) ** 2)))
+    return Fit(float(alpha), float(1.0 / inverse) if inverse > 0 else math.inf, residual)
+
+
+def rows_of(measured: dict[str, list[list[float]]], n: int, backend: str) -> list[tuple[float, float, float]]:
+    """A tier's table ({kind: [[bytes, seconds], ...]}) as fit()'s rows."""
+    out = []
+    for kind, table in measured.items():
+        steps, share = wire(kind, n, backend)
+        out += [(steps, share * nbytes, seconds) for nbytes, seconds in table]
+    return out
+
+
+# ---------------------------------------------------------------- what is measured, on the ranks
+
+
+@dataclass(frozen=True)
+class Tier:
+    name: str
+    groups: tuple[tuple[int, ...], ...]  # timed at once; the ranks of each run one collective
+    what: str
+
+
+def tiers_of(nodes: int, procs_per_node: int, shared: bool = True) -> list[Tier]:
+    """The groups each tier is measured on, ranks node-major (as fldp-train places them)."""
+    out = []
+    if procs_per_node > 1:
+        out.append(Tier("node", (tuple(range(procs_per_node)),), "the ranks of node 0"))
+    if nodes > 1:
+        leaders = tuple(k * procs_per_node for k in range(nodes))
+        out.append(Tier("inter-node", (leaders,), "one rank per node"))
+        if shared and procs_per_node > 1:
+            rings = tuple(tuple(k + j for k in leaders) for j in range(procs_per_node))
+            out.append(Tier("inter-node-shared", rings, f"all {procs_per_node} ranks of each node at once"))
+    return out
+
+
+def _collective(kind: str, nbytes: int, n: int, dtype, device, group):
+    """A closure running one collective of an nbytes message (rounded to n equal parts)."""
+    import torch
+    import torch.distributed as dist
+
+    element = torch.empty((), dtype=dtype).element_size()
+    part = max(1, nbytes // element // n)
+    whole = torch.ones(part * n, dtype=dtype, device=device)
+    piece = torch.ones(part, dtype=dtype, device=device)
+    # the names torch 2.13 prefers, else the older ones (what FSDP2 calls, either way)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    run = {
+        "all_gather": lambda: gather(whole, piece, group=group),
+        "reduce_scatter": lambda: scatter(piece, whole, group=group),
+        "all_reduce": lambda: dist.all_reduce(whole, group=group),
+    }[kind]
+    return run, part * n * element
+
+
+def _once(run, device) -> float:
+    import torch
+
+    start = time.perf_counter()
+    run()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def time_tier(tier: Tier, settings: Settings, dtype, device) -> dict[str, list[list[float]]]:
+    """On every rank (each creates every group, in order): the tier's table on rank 0, {kind:
+    [[bytes, median seconds], ...]}, each repetition's time the slowest rank's of every group."""
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    groups = [dist.new_group(list(g)) for g in tier.groups]
+    mine = next((g for g, members in zip(groups, tier.groups) if rank in members), None)
+    n = len(tier.groups[0])
+    times = torch.zeros(len(KINDS), len(settings.sizes), settings.repeats, dtype=torch.float64)
+    sent = [[0] * len(settings.sizes) for _ in KINDS]
+    for i, kind in enumerate(KINDS):
+        for j, size in enumerate(settings.sizes):
+            run, sent[i][j] = _collective(kind, size, n, dtype, device, mine)
+            for r in range(settings.warmup + settings.repeats):
+                dist.barrier()  # every group starts together: the shared tier's flows overlap
+                took = _once(run, device) if mine is not None else 0.0
+                if r >= settings.warmup:
+                    times[i, j, r - settings.warmup] = took
+    times = times.to(device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    times = times.cpu()
+    return {
+        kind: [[sent[i][j], statistics.median(times[i, j].tolist())] for j in range(len(settings.sizes))]
+        for i, kind in enumerate(KINDS)
+    }
+
+
+def _median_time(fn, settings: Settings, device) -> float:
+    return statistics.median([_once(fn, device) for _ in range(settings.warmup + settings.repeats)][settings.warmup :])
+
+
+def measure_compute(cfg, settings: Settings, device) -> dict:
+    """One decoder layer of the model on the run's tokens per rank: forward, forward + backward."""
+    import torch
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    from .cost import config_model
+    from .model import DTYPES
+    from .steptime import flops_per_token
+
+    model, _ = config_model(cfg)  # on the meta device: the config and the parameter counts
+    config, dtype = model.config, DTYPES[cfg.trainer.precision]
+    batch, seq = int(cfg.trainer.batch_size), int(cfg.dataset.block_size)
+    torch.manual_seed(0)
+    with torch.device(device):
+        layer = LlamaDecoderLayer(config, layer_idx=0).to(dtype)
+        rope = LlamaRotaryEmbedding(config)
+        x = torch.randn(batch, seq, config.hidden_size, dtype=dtype, requires_grad=True)
+        rotary = rope(x, torch.arange(seq).unsqueeze(0))
+    forward = _median_time(lambda: layer(x, position_embeddings=rotary), settings, device)
+    train = _median_time(lambda: layer(x, position_embeddings=rotary).float().sum().backward(), settings, device)
+    layer_flops = flops_per_token(sum(p.numel() for p in layer.parameters()), 0, 1, config.hidden_size, seq)
+    params = sum(p.numel() for p in model.parameters())
+    embedding = model.model.embed_tokens.weight.numel()
+    tokens = batch * seq
+    return {
+        "tokens_per_rank": tokens,
+        "threads": torch.get_num_threads() if device.type == "cpu" else None,
+        "layer_forward_s": forward,
+        "layer_train_s": train,
+        "flops_per_token_layer": layer_flops,
+        "flops_per_token_model": flops_per_token(params, embedding, config.num_hidden_layers, config.hidden_size, seq),
+        "flop_s_forward": layer_flops * tokens / forward,
+        "flop_s_train": 3 * layer_flops * tokens / train,  # backward: twice forward's FLOPs
+    }
+
+
+def calibrate_rank(cfg, settings: Settings, out: str, device) -> None:
+    """Every rank: rank 0 times the compute while the others wait in a barrier (blocked, not
+    competing for the cores), then every rank the tiers' collectives; rank 0 writes the profile."""
+    import torch.distributed as dist
+
+    from .model import DTYPES
+
+    topology = cfg.topology
+    compute = measure_compute(cfg, settings, device) if dist.get_rank() == 0 else {}
+    dist.barrier()
+    dtype = DTYPES[cfg.trainer.precision]
+    tiers = tiers_of(topology.nodes, topology.procs_per_node, settings.shared)
+    measured = {tier.name: time_tier(tier, settings, dtype, device) for tier in tiers}
+    if dist.get_rank() == 0:
+        write(profile(cfg, settings, tiers, measured, compute, dist.get_backend()), out)
+
+
+def profile(cfg, settings: Settings, tiers: list[Tier], measured: dict, compute: dict, backend: str) -> dict:
+    """What fldp-calibrate writes: the machine, the compute, each tier's fit and its table."""
+    from .netns import from_config
+    from .provenance import source_commit
+
+    out_tiers = {}
+    for tier in tiers:
+        n = len(tier.groups[0])
+        found = fit(rows_of(measured[tier.name], n, backend))
+        out_tiers[tier.name] = {
+            "what": tier.what,
+            "ranks_per_group": n,
+            "groups_at_once": len(tier.groups),
+            "alpha_s": found.alpha_s,
+            "beta_bytes_s": found.beta_bytes_s,
+            "residual": found.residual,
+            "sizes": list(settings.sizes),
+            "measured": measured[tier.name],  # {kind: [[bytes, median seconds], ...]}
+        }
+    network = from_config(cfg)
+    t = cfg.topology
+    return {
+        "format": FORMAT,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": source_commit(),
+        "machine": _machine(cfg, backend),
+        "topology": {"name": t.name, "nodes": t.nodes, "procs_per_node": t.procs_per_node, "device": t.device},
+        "emulated_link": network.describe() if network else None,
+        "model": {"name": cfg.model.name, "precision": cfg.trainer.precision},
+        "settings": {"repeats": settings.repeats, "warmup": settings.warmup},
+        "compute": compute,
+        "tiers": out_tiers,
+    }
+
+
+def _machine(cfg, backend: str) -> dict:
+    import torch
+
+    cuda = cfg.topology.device == "cuda" and torch.cuda.is_available()
+    return {
+        "system": f"{platform.system()} {platform.release()}",
+        "arch": platform.machine(),
+        "cpus": os.cpu_count(),
+        "device": torch.cuda.get_device_name() if cuda else _cpu_model(),
+        "python": platform.python_version(),
+        "torch": str(torch.__version__),  # a TorchVersion, which yaml cannot write
+        "backend": backend,
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def write(prof: dict, out: str) -> None:
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(yaml.safe_dump(prof, sort_keys=False))
+    tmp.replace(path)  # whole or not at all
+
+
+# ---------------------------------------------------------------- the command
+
+
+def default_out() -> str:
+    """Where a run's records go (conf/config.yaml's hydra.run.dir pattern), named calibrate."""
+    now = datetime.datetime.now()
+    return str(Path("outputs", now.strftime("%Y-%m-%d"), now.strftime("%H-%M-%S") + "_calibrate", "profile.yaml"))
+
+
+def run(cfg, settings: Settings, out: str) -> bool:
+    """The measurement on this machine's forked ranks (in their namespaces on emulated nodes), or
+    as one SLURM job; False when nothing was measured (a dry run)."""
+    from .launch import run_local
+    from .netns import from_config
+    from .slurm import submits
+
+    if submits(cfg):
+        return _submit(cfg, settings, out)
+    world = cfg.topology.nodes * cfg.topology.procs_per_node
+    run_local(calibrate_rank, (cfg, settings, out), world, cfg.topology.device, cfg.cluster, from_config(cfg))
+    return True
+
+
+def _slurm_task(cfg, run_dir: str, settings: Settings, out: str) -> None:
+    """A task of the SLURM job: its rank, then rank 0 writes the summary fldp.slurm.outcome wants."""
+    import json
+
+    import torch.distributed as dist
+
+    from .launch import from_environment, init_process_group
+
+    env = from_environment()
+    if env is None:
+        raise RuntimeError("fldp-calibrate: not a task of a multi-task SLURM step")
+    device = init_process_group(env, cfg.topology.device, cfg.cluster.timeout_s)
+    calibrate_rank(cfg, settings, out, device)
+    if env.rank == 0:
+        Path(run_dir, "summary.json").write_text(json.dumps({"profile": out}))
+    dist.destroy_process_group()
+
+
+def _submit(cfg, settings: Settings, out: str) -> bool:
+    """One job of topology.nodes x procs_per_node tasks, as fldp-train submits a run (fldp.slurm)."""
+    from omegaconf import open_dict
+
+    from .mesh import MeshShape
+    from .slurm import follow, job_folder_of, job_parameters, sbatch_script, submit_job
+
+    shape = MeshShape(1, 1, cfg.topology.nodes * cfg.topology.procs_per_node)
+    run_dir = str(Path(out).absolute().parent)
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        cfg.cluster.max_requeue = 0  # a measurement has no checkpoint to requeue from
+        cfg.algorithm.name = "calibrate"  # the job's name: fldp-calibrate-<topology>
+    if cfg.cluster.dry_run:
+        script = sbatch_script(job_parameters(cfg, shape), job_folder_of(cfg, run_dir))
+        print(f"fldp-calibrate: dry run (cluster={cfg.cluster.name}): nothing submitted\n{script}")
+        return False
+    task = functools.partial(_slurm_task, settings=settings, out=str(Path(out).absolute()))
+    job = submit_job(cfg, run_dir, shape, task)
+    follow(job, run_dir, cfg.cluster.poll_s)
+    return True
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        return
+    from hydra.errors import HydraException
+
+    try:
+        settings, overrides = settings_of(argv)
+        cfg = compose(overrides)
+    except (ConfigError, HydraException) as e:  # before any worker starts
+        print(f"fldp-calibrate: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    out = settings.out or default_out()
+    start = time.monotonic()
+    try:
+        measured = run(cfg, settings, out)
+    except Interrupted as e:  # the workers were stopped and the namespaces removed
+        print(f"fldp-calibrate: {e}", file=sys.stderr)
+        raise SystemExit(e.exit_code) from None
+    except (ConfigError, WorkerError) as e:
+        print(f"fldp-calibrate: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    if measured:
+        print_profile(yaml.safe_load(Path(out).read_text()), out, time.monotonic() - start)
+
+
+def print_profile(prof: dict, out: str, took_s: float) -> None:
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(highlight=False, markup=False)
+    c, t = prof["compute"], prof["topology"]
+    console.print(
+        f"fldp-calibrate: topology={t['name']} ({t['nodes']} x {t['procs_per_node']} ranks, {t['device']}, "
+        f"{prof['machine']['backend']}), model={prof['model']['name']} ({prof['model']['precision']}), {took_s:.0f} s"
+    )
+    console.print(
+        f"compute, one decoder layer on {c['tokens_per_rank']} tokens per rank: "
+        f"forward {c['flop_s_forward'] / 1e9:.3g} GFLOP/s, forward + backward {c['flop_s_train'] / 1e9:.3g} GFLOP/s"
+    )
+    fits = Table(title="Collectives: t = steps x alpha + bytes per rank / beta", box=box.SIMPLE_HEAD)
+    for header in ("tier", "ranks x groups", "alpha [us]", "beta [MB/s per rank]", "residual [%]"):
+        fits.add_column(header, justify="left" if header == "tier" else "right")
+    for name, tier in prof["tiers"].items():
+        fits.add_row(
+            name,
+            f"{tier['ranks_per_group']} x {tier['groups_at_once']}",
+            f"{tier['alpha_s'] * 1e6:.4g}",
+            f"{tier['beta_bytes_s'] / 1e6:.4g}",
+            f"{tier['residual'] * 100:.3g}",
+        )
+    console.print(fits)
+    for name, tier in prof["tiers"].items():
+        table = Table(title=f"{name}: median seconds", box=box.SIMPLE_HEAD)
+        table.add_column("bytes", justify="right")
+        for kind in KINDS:
+            table.add_column(kind, justify="right")
+        for i in range(len(tier["sizes"])):
+            table.add_row(str(tier["measured"][KINDS[0]][i][0]), *[f"{tier['measured'][k][i][1]:.4g}" for k in KINDS])
+        console.print(table)
+    console.print(f"profile: {out} (use it with topology.profile={out})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""fldp-calibrate (issue 31, item 2) as a user runs it: the installed command measures real gloo
+collectives between real processes and writes a profile that a topology uses (topology.profile);
+the fit recovers alpha and beta from timings of the ring model; on emulated nodes the fitted
+inter-node beta is the tc cap's, and no namespace is left; bad input exits 2 before any worker."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from conftest import ROOT, compose_cfg, needs_netns
+
+from fldp import netns
+from fldp.calibrate import KINDS, Settings, fit, rows_of, settings_of, tiers_of, wire
+from fldp.errors import ConfigError
+from fldp.schema import check
+from fldp.steptime import MEASURED, Hardware, dim_link, hardware_for
+
+QUICK = ["model=tiny_llama", "calibrate.repeats=3", "calibrate.warmup=1"]
+
+
+def command(tmp_path: Path) -> list[str]:
+    """The installed fldp-calibrate. An editable install made before the script was declared has
+    none: then the wrapper pip writes for pyproject.toml's entry point (checked to be declared)."""
+    installed = Path(sys.executable).parent / "fldp-calibrate"
+    if installed.exists():
+        return [str(installed)]
+    declared = re.search(r'^fldp-calibrate = "([\w.]+):(\w+)"$', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert declared, "pyproject.toml [project.scripts] declares no fldp-calibrate"
+    module, function = declared.groups()
+    wrapper = tmp_path / "fldp-calibrate"
+    wrapper.write_text(f"#!{sys.executable}\nimport sys\nfrom {module} import {function}\nsys.exit({function}())\n")
+    wrapper.chmod(0o755)
+    return [str(wrapper)]
+
+
+def calibrate(tmp_path: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "120"}
+    return subprocess.run(
+        [*command(tmp_path), *args], capture_output=True, text=True, env=env, timeout=timeout, cwd=tmp_path
+    )
+
+
+def ring_times(alpha: float, beta: float, n: int, backend: str, sizes, noise: float = 0.0, seed: int = 0) -> dict:
+    """A tier's table as the ring model times it, each time off by up to +-noise (relative)."""
+    rng = np.random.default_rng(seed)
+    table = {}
+    for kind in KINDS:
+        steps, share = wire(kind, n, backend)
+        table[kind] = [[s, (steps * alpha + share * s / beta) * (1 + rng.uniform(-noise, noise))] for s in sizes]
+    return table
+
+
+SIZES = [4096 * 4**k for k in range(7)]
+
+
+@pytest.mark.parametrize("alpha, beta, n, backend", [(50e-6, 1e9, 4, "gloo"), (2e-3, 25e6, 2, "nccl")])
+def test_the_fit_recovers_alpha_and_beta_of_the_ring_model(alpha, beta, n, backend):
+    exact = fit(rows_of(ring_times(alpha, beta, n, backend, SIZES), n, backend))
+    assert exact.alpha_s == pytest.approx(alpha, rel=1e-6) and exact.beta_bytes_s == pytest.approx(beta, rel=1e-6)
+    assert exact.residual < 1e-9
+    noisy = fit(rows_of(ring_times(alpha, beta, n, backend, SIZES, noise=0.05), n, backend))
+    assert noisy.alpha_s == pytest.approx(alpha, rel=0.1) and noisy.beta_bytes_s == pytest.approx(beta, rel=0.1)
+    assert 0.005 < noisy.residual < 0.05
+
+
+def test_gloo_s_reduce_scatter_is_fitted_as_the_all_reduce_it_is():
+    assert wire("reduce_scatter", 8, "gloo") == wire("all_reduce", 8, "gloo") == (14.0, 1.75)
+    assert wire("reduce_scatter", 8, "nccl") == wire("all_gather", 8, "nccl") == (7.0, 0.875)
+    # timings of gloo's collectives read as NCCL's would halve beta's reduce-scatter share: a poor fit
+    table = ring_times(1e-4, 1e8, 4, "gloo", SIZES)
+    assert fit(rows_of(table, 4, "nccl")).residual > 0.1
+
+
+def test_tiers_inside_a_node_across_nodes_and_sharing_the_node_s_link():
+    names = lambda tiers: {t.name: t.groups for t in tiers}
+    assert names(tiers_of(2, 4)) == {
+        "node": ((0, 1, 2, 3),),
+        "inter-node": ((0, 4),),
+        "inter-node-shared": ((0, 4), (1, 5), (2, 6), (3, 7)),
+    }
+    assert names(tiers_of(1, 2)) == {"node": ((0, 1),)}
+    assert names(tiers_of(4, 1)) == {"inter-node": ((0, 1, 2, 3),)}
+    assert "inter-node-shared" not in names(tiers_of(2, 4, shared=False))
+
+
+def test_settings_are_checked_and_the_rest_goes_to_hydra():
+    found, rest = settings_of(["topology=local_2", "calibrate.sizes=[4096,8192]", "calibrate.out=a/p.yaml"])
+    assert found == Settings(out="a/p.yaml", sizes=(4096, 8192)) and rest == ["topology=local_2"]
+    for bad, says in (
+        ("calibrate.sizes=[-4]", "calibrate.sizes=[-4]: must be a list of message sizes"),
+        ("calibrate.sizes=[]", "must be a list"),
+        ("calibrate.repeats=0", "an integer >= 1"),
+        ("calibrate.shared=maybe", "true or false"),
+        ("calibrate.size=[4096]", "did you mean calibrate.sizes?"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            settings_of([bad])
+
+
+@pytest.mark.parametrize(
+    "bad, says",
+    [
+        ("calibrate.sizes=[4096,-1]", "calibrate.sizes=[4096,-1]: must be a list of message sizes in bytes"),
+        ("calibrate.bogus=1", "calibrate.bogus=1: not a calibrate setting"),
+        ("trainer.bogus=1", "trainer.bogus"),
+    ],
+)
+def test_bad_input_exits_2_before_any_worker(tmp_path, bad, says):
+    start = time.monotonic()
+    out = calibrate(tmp_path, "topology=local_2", bad, timeout=60)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert says in out.stderr and "rank" not in out.stderr, out.stderr
+    assert not list(tmp_path.glob("outputs")) and time.monotonic() - start < 60
+
+
+@pytest.fixture(scope="module")
+def local_profile(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("calibrate")
+    out = calibrate(tmp, "topology=local_2", *QUICK, "calibrate.sizes=[4096,262144]", "calibrate.out=p.yaml")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "beta [MB/s per rank]" in out.stdout and "node: median seconds" in out.stdout, out.stdout
+    return tmp / "p.yaml", yaml.safe_load((tmp / "p.yaml").read_text())
+
+
+@pytest.mark.timeout(180)
+def test_the_installed_command_writes_a_profile_of_the_machine(local_profile):
+    _, prof = local_profile
+    node = prof["tiers"]["node"]
+    assert set(prof["tiers"]) == {"node"} and node["ranks_per_group"] == 2
+    assert node["alpha_s"] >= 0 and 0 < node["beta_bytes_s"] < float("inf") and node["residual"] >= 0
+    assert node["sizes"] == [4096, 262144] and set(node["measured"]) == set(KINDS)
+    assert all(len(node["measured"][k]) == 2 and all(t > 0 for _, t in node["measured"][k]) for k in KINDS)
+    compute = prof["compute"]
+    assert compute["tokens_per_rank"] == 2 * 128 and compute["flop_s_train"] > 1e6 and compute["flop_s_forward"] > 1e6
+    assert prof["machine"]["torch"] and prof["machine"]["backend"] == "gloo" and prof["date"]
+
+
+@pytest.mark.timeout(180)
+def test_a_topology_uses_the_profile(local_profile):
+    path, prof = local_profile
+    cfg = compose_cfg("topology=local_2", f"+topology.profile={path}")
+    check(cfg)  # the schema knows the key
+    hw = hardware_for(cfg.topology)
+    assert hw == Hardware.from_profile(prof) and hardware_for(compose_cfg("topology=local_2").topology) == Hardware()
+    node = prof["tiers"]["node"]
+    assert hw.nvlink == node["beta_bytes_s"] and hw.node_latency == node["alpha_s"]
+    assert hw.peak_flops == prof["compute"]["flop_s_train"] and hw.gpus_per_node == 2
+
+    class Shape:  # FSDP over the node's 2 ranks
+        shard, replicate, federation = 2, 1, 1
+
+    link = dim_link("shard", Shape, hw, MEASURED)
+    assert (link.bandwidth, link.latency, link.nodes) == (node["beta_bytes_s"], node["alpha_s"], 1)
+
+
+MBIT_S = 200  # fast enough for a short test, slow enough that the link, not the cores, sets the pace
+
+
+@needs_netns
+@pytest.mark.timeout(120)
+def test_on_emulated_nodes_the_fitted_beta_is_the_link_s_cap(tmp_path):
+    args = [
+        "topology=netns_2x4",
+        *QUICK,
+        "calibrate.sizes=[32768,1048576]",
+        f"topology.network.1.gbit_s={MBIT_S / 1e3}",
+    ]
+    proc = subprocess.Popen(
+        [*command(tmp_path), *args, "calibrate.out=p.yaml"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
+    try:
+        _, err = proc.communicate(timeout=100)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    mine = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"fldp-{proc.pid}-" not in mine, mine  # nothing of this run left
+    assert not [ns for ns in netns.namespaces() if netns.dead(ns)]
+    prof = yaml.safe_load((tmp_path / "p.yaml").read_text())
+    cap = MBIT_S * 1e6 / 8  # bytes/s each way of a node's link
+    across, shared = prof["tiers"]["inter-node"], prof["tiers"]["inter-node-shared"]
+    assert 0.5 <= across["beta_bytes_s"] / cap <= 1.2, prof["tiers"]
+    # 4 rings through each node's link at once: a quarter each
+    assert 0.5 <= shared["beta_bytes_s"] * 4 / cap <= 1.2, prof["tiers"]
+    assert prof["emulated_link"]["mbit_s"] == MBIT_S
+
+
+def test_cluster_slurm_dry_run_prints_the_one_job_and_submits_nothing(tmp_path):
+    out = calibrate(tmp_path, "topology=slurm_2x4", "cluster=slurm", "cluster.dry_run=true", "calibrate.out=p.yaml")
+    assert out.returncode == 0, out.stderr[-2000:]
+    for line in ("--job-name=fldp-calibrate-slurm_2x4", "--nodes=2", "--ntasks-per-node=4"):
+        assert line in out.stdout, out.stdout
+    assert "--requeue" not in out.stdout and not (tmp_path / "p.yaml").exists()
