@@ -340,6 +340,7 @@ KEYS: dict[str, Spec] = {
     "optimizer.weight_decay": Num(ge=0),
     "optimizer.momentum": Num(ge=0),
     "optimizer.warmup": Num(ge=0, lt=1),  # a fraction of the steps
+    "optimizer.clip_norm": Num(gt=0, null=True, optional=True),  # a group's gradient norm; absent: older configs
     "comm.measure": Bool(),
     "comm.emulate": Bool(),
     "comm.scale": Num(gt=0),
