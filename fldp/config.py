@@ -463,6 +463,11 @@ class OptimizerConfig:
     weight_decay: float = setting(Num(ge=0), "decoupled weight decay", 0.1)
     momentum: float = setting(Num(ge=0), "sgd only", 0.0)
     warmup: float = setting(Num(ge=0, lt=1), "fraction of the steps: linear warm-up from 0, then cosine to 0", 0.1)
+    clip_norm: float | None = setting(
+        Num(gt=0, null=True, optional=True),  # optional: a config saved before it means none
+        "clip each federation group's gradient to this global L2 norm; null: none (the paper's; torchtitan: 1.0)",
+        None,
+    )
 
 
 @dataclass(frozen=True)

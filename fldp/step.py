@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from .aggregation import fragment_fields
 from .comm import all_ranks
@@ -58,6 +59,7 @@ class TrainingState:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     fedavg: Any = None  # fldp.aggregation.FedAvg
     position: dict = dataclasses.field(default_factory=lambda: {"step": 0})
+    clip_norm: float | None = None  # optimizer.clip_norm
 
     @property
     def step(self) -> int:
@@ -86,6 +88,7 @@ class StepOutcome:
     comm: dict  # the meter's counters ({} without one)
     exchange: Exchange  # the fragments sent and merged after it (empty: no aggregation)
     committed: bool | None = None  # FedAvg's verdict on the aggregation
+    grad_norm: torch.Tensor | None = None  # the group's gradient norm before clipping (None: no clipping)
 
     @property
     def aggregated(self) -> bool:
@@ -114,6 +117,7 @@ class TrainStep:
             timer.lap("forward")
             loss.backward()
             timer.lap("backward")
+            grad_norm = clip_gradients(state.model, state.clip_norm) if state.clip_norm is not None else None
             state.optimizer.step()
             state.scheduler.step()
             state.optimizer.zero_grad(set_to_none=True)
@@ -123,7 +127,7 @@ class TrainStep:
         comm = self.meter.take() if self.meter else {}
         if state.step != step:
             self.batches = self.batches_from(state.step)
-        return StepOutcome(step, loss, lr, timer.times, timer.total(), comm, exchange, committed)
+        return StepOutcome(step, loss, lr, timer.times, timer.total(), comm, exchange, committed, grad_norm)
 
     def _aggregate(self, step: int) -> tuple[Exchange, bool | None]:
         """FedAvg's exchange when due after `step`, timed as the aggregation phase."""
@@ -139,14 +143,36 @@ class TrainStep:
         return exchange, committed
 
 
-def step_row(outcome: StepOutcome, fedavg, elastic: bool, tokens_per_step: int, device) -> dict:
+@torch.no_grad()
+def clip_gradients(model: torch.nn.Module, clip_norm: float) -> torch.Tensor:
+    """Scale the model's gradients by min(1, clip_norm / (norm + 1e-6)), torch's clip_grad_norm_,
+    where norm is the L2 norm of all of them together; returns that norm, before clipping.
+    The gradients are DTensors over this rank's federation group's mesh (shard, or replicate x
+    shard): the norm's all-reduce runs over that mesh, so each group is clipped by its own model's
+    norm, whichever parameters FedAvg federates. As torchtitan, the norm is made whole
+    (full_tensor) once, not by each grad's multiplication."""
+    params = list(model.parameters())
+    norm = torch.nn.utils.get_total_norm([g for p in params if (g := p.grad) is not None])
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, clip_norm, norm)
+    return norm
+
+
+def step_row(
+    outcome: StepOutcome, fedavg, elastic: bool, tokens_per_step: int, device, group_size: int | None = None
+) -> dict:
     """The step's row in the records, reduced over the ranks outside its timed phases: the mean
-    loss; times, bytes and collectives as the largest rank's; `critical_`: the slowest rank's phases.
-    Raises FloatingPointError on a non-finite loss."""
+    loss; times, bytes and collectives as the largest rank's; `critical_`: the slowest rank's phases;
+    with clipping, `grad_norm`: each federation group's norm before clipping (consecutive runs of
+    `group_size` ranks; None: the process group is one group). Raises FloatingPointError on a
+    non-finite loss."""
     counted = COUNTED if outcome.comm else []
     comm = outcome.comm
     times = [outcome.times[p] for p in PHASES]
-    stats = all_ranks([outcome.loss.item(), *times, outcome.time_step, *(comm[k] for k in counted)], device)
+    norm = [] if outcome.grad_norm is None else [outcome.grad_norm.item()]
+    stats = all_ranks([outcome.loss.item(), *times, outcome.time_step, *(comm[k] for k in counted), *norm], device)
+    norms, stats = stats[:, stats.shape[1] - len(norm) :], stats[:, : stats.shape[1] - len(norm)]
     mean_loss = stats[:, 0].mean().item()
     if not math.isfinite(mean_loss):
         raise FloatingPointError(f"non-finite loss ({mean_loss}) at step {outcome.step}: stopping")
@@ -165,6 +191,8 @@ def step_row(outcome: StepOutcome, fedavg, elastic: bool, tokens_per_step: int, 
         "aggregated": outcome.aggregated,
         **{k: (int(v) if k.startswith("collectives") else v) for k, v in zip(counted, counts)},
     }
+    if norm:  # every rank of a group holds its norm: its first rank's
+        row["grad_norm"] = norms[:: group_size or len(norms), 0].tolist()
     if outcome.aggregated:  # algorithm.streaming: which parts of the model
         row.update(fragment_fields(fedavg.config, outcome.exchange))
     if elastic and outcome.aggregated:  # the groups alive in it, and whether it was applied

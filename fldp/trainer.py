@@ -129,7 +129,8 @@ def build(cfg, blocks: Blocks, device: torch.device, place: Placement, member=No
     )
     optimizer = build_optimizer(model, cfg.optimizer)
     scheduler = build_scheduler(optimizer, cfg.optimizer, place.steps)
-    return TrainingState(model, optimizer, scheduler, fedavg), federation
+    state = TrainingState(model, optimizer, scheduler, fedavg, clip_norm=cfg.optimizer.get("clip_norm"))
+    return state, federation
 
 
 def comm_meter(cfg, place: Placement) -> CommMeter | None:
@@ -280,7 +281,10 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None,
     )
     while state.step < place.steps:
         outcome = train_step()
-        records.step(step_row(outcome, state.fedavg, federation is not None, place.tokens_per_step, device))
+        row = step_row(
+            outcome, state.fedavg, federation is not None, place.tokens_per_step, device, place.shape.group_size
+        )
+        records.step(row)
         drills.step(outcome.step)
         # a group cut off from the others (its link, for a while) rejoined behind them: it now holds
         # their state at their step, and trains on from there
