@@ -535,3 +535,15 @@ def default_of(key: str) -> Any:
     if value is REQUIRED:
         raise KeyError(f"{key} has no default: each option file of its group sets it")
     return list(value) if isinstance(value, tuple) else value
+
+
+def typed(cls: type, section: Any, prefix: str) -> Any:
+    """A composed config's section (a DictConfig or a mapping) as its typed config: absent optional
+    keys take their defaults, every value is checked with the key's spec (ConfigError, all at once)."""
+    if hasattr(section, "_metadata"):  # an OmegaConf node, resolved to plain values
+        from omegaconf import OmegaConf
+
+        section = OmegaConf.to_container(section, resolve=True)
+    made = cls(**dict(section))
+    _refuse(check_fields(made, prefix))
+    return made

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import all_ranks
+from .config import TrainerConfig
 from .data import Blocks, RankBatches
 from .mesh import ConfigError
 from .streaming import Exchange
@@ -21,7 +22,9 @@ GROUP_MODEL = "this group's own model"  # elastic federation, between aggregatio
 
 
 @torch.no_grad()
-def evaluate(model, cfg, blocks: Blocks, device, groups: int = 1) -> tuple[list[float], float]:
+def evaluate(
+    model, trainer: TrainerConfig, seed: int, blocks: Blocks, device, groups: int = 1
+) -> tuple[list[float], float]:
     """Mean held-out loss and the wall time (max over ranks). groups=1: the world scores one model,
     each rank its slice of the split. groups=F: each federation group (a block of consecutive
     ranks) scores its own model on the whole split, its ranks sharing it: one loss per group."""
@@ -29,10 +32,10 @@ def evaluate(model, cfg, blocks: Blocks, device, groups: int = 1) -> tuple[list[
     rank, world = dist.get_rank(), dist.get_world_size()
     size = world // groups
     model.eval()
-    batches = RankBatches(blocks.eval, cfg.trainer.batch_size, rank % size, size, cfg.seed, shuffle=False)
+    batches = RankBatches(blocks.eval, trainer.batch_size, rank % size, size, seed, shuffle=False)
     losses = []
     for i, x in enumerate(batches.epoch(0)):
-        if cfg.trainer.eval_batches is not None and i >= cfg.trainer.eval_batches:
+        if trainer.eval_batches is not None and i >= trainer.eval_batches:
             break
         x = x.to(device)
         losses.append(model(input_ids=x, labels=x).loss.float().item())
@@ -45,12 +48,22 @@ def evaluate(model, cfg, blocks: Blocks, device, groups: int = 1) -> tuple[list[
     if (counts == 0).any():
         raise ConfigError(
             f"dataset.eval_blocks: {len(blocks.eval)} held-out blocks are too few for one "
-            f"batch of {cfg.trainer.batch_size} on each of {size} ranks"
+            f"batch of {trainer.batch_size} on each of {size} ranks"
         )
     return (rows[..., 0].sum(dim=1) / counts).tolist(), rows[..., 2].max().item()
 
 
-def eval_row(model, cfg, blocks: Blocks, device, step: int, fedavg, groups_differ: bool, partial: bool = False) -> dict:
+def eval_row(
+    model,
+    trainer: TrainerConfig,
+    seed: int,
+    blocks: Blocks,
+    device,
+    step: int,
+    fedavg,
+    groups_differ: bool,
+    partial=False,
+) -> dict:
     """Score the model, or models, the groups hold; `eval_of` says which loss is the row's `loss`.
     Groups that are identical hold one model: the world scores it, each rank a slice of the split.
     Groups that differ: each group scores its own model on the whole split (`group_perplexity`),
@@ -59,17 +72,17 @@ def eval_row(model, cfg, blocks: Blocks, device, step: int, fedavg, groups_diffe
     (`partial`: some parameters are never averaged, so the groups always differ) the mean of the
     groups' own losses: their "average" would keep each group's local parameters, no one model."""
     if not (groups_differ or partial):
-        (loss,), eval_time = evaluate(model, cfg, blocks, device)
+        (loss,), eval_time = evaluate(model, trainer, seed, blocks, device)
         extra: dict[str, Any] = {"eval_of": ONE_MODEL}
     else:
-        group_losses, eval_time = evaluate(model, cfg, blocks, device, groups=fedavg.shape.federation)
+        group_losses, eval_time = evaluate(model, trainer, seed, blocks, device, groups=fedavg.shape.federation)
         extra = {"group_perplexity": [math.exp(x) for x in group_losses]}
         if partial:
             loss = sum(group_losses) / len(group_losses)
             extra["eval_of"] = GROUPS_MEAN
         else:
             with fedavg.averaged():
-                (loss,), average_time = evaluate(model, cfg, blocks, device)
+                (loss,), average_time = evaluate(model, trainer, seed, blocks, device)
             eval_time += average_time
             extra.update(eval_of=AVERAGE, averaged=True)
     return {"split": "eval", "step": step, "loss": loss, "perplexity": math.exp(loss), "time_eval": eval_time, **extra}
@@ -78,14 +91,25 @@ def eval_row(model, cfg, blocks: Blocks, device, step: int, fedavg, groups_diffe
 class Evaluation:
     """The trainer's evaluations of one run: when one is due, and which model each scores."""
 
-    def __init__(self, model, cfg, blocks: Blocks, device, fedavg, partial: bool, elastic: bool, steps: int):
-        self.model, self.cfg, self.blocks, self.device = model, cfg, blocks, device
+    def __init__(
+        self,
+        model,
+        trainer: TrainerConfig,
+        seed: int,
+        blocks: Blocks,
+        device,
+        fedavg,
+        partial: bool,
+        elastic: bool,
+        steps: int,
+    ):
+        self.model, self.trainer, self.seed, self.blocks, self.device = model, trainer, seed, blocks, device
         # partial: parameters left out of algorithm.federate stay local, the groups never hold one model
         self.fedavg, self.partial, self.elastic, self.steps = fedavg, partial, elastic, steps
 
     def due(self, step: int) -> bool:
         """Every trainer.eval_every steps; the last step has the final evaluation instead."""
-        every = self.cfg.trainer.eval_every
+        every = self.trainer.eval_every
         return bool(every) and step % every == 0 and step != self.steps
 
     def periodic(self, step: int, exchange: Exchange) -> dict:
@@ -94,7 +118,9 @@ class Evaluation:
         synced = self.fedavg is not None and exchange.synced(self.fedavg.fragments)
         # elastic: each group scores its own model (the groups meet only at aggregations)
         differ = self.fedavg is not None and not synced and not self.elastic
-        row = eval_row(self.model, self.cfg, self.blocks, self.device, step, self.fedavg, differ, self.partial)
+        row = eval_row(
+            self.model, self.trainer, self.seed, self.blocks, self.device, step, self.fedavg, differ, self.partial
+        )
         if self.elastic and not synced:
             row["eval_of"] = GROUP_MODEL
         return row
@@ -104,7 +130,8 @@ class Evaluation:
         # after the last step's forced aggregation every group holds the same model, unless federation is partial
         return eval_row(
             self.model,
-            self.cfg,
+            self.trainer,
+            self.seed,
             self.blocks,
             self.device,
             self.steps,

@@ -29,6 +29,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from .aggregation import FedAvgConfig, fragment_fields
+from .config import OptimizerConfig, typed
 from .data import Blocks, WorldBatches
 from .errors import ConfigError
 from .mesh import mesh_shape
@@ -98,8 +99,9 @@ class Simulation:
         init_weights(model, device, cfg.seed)
         self.model, self.buffers = model, dict(model.named_buffers())
         self.groups = Groups(model, shape.federation)
-        self.optimizer = build_optimizer(self.groups, cfg.optimizer)
-        self.scheduler = build_scheduler(self.optimizer, cfg.optimizer, self.steps)
+        opt_cfg = typed(OptimizerConfig, cfg.optimizer, "optimizer")
+        self.optimizer = build_optimizer(self.groups, opt_cfg)
+        self.scheduler = build_scheduler(self.optimizer, opt_cfg, self.steps)
         self.fedavg = FedAvgConfig.from_algorithm(cfg.algorithm)
         self.clip_norm = cfg.optimizer.get("clip_norm")
         # the trainer's buckets and their arithmetic, for the groups stacked (fldp.stacked)

@@ -22,7 +22,7 @@ from . import elastic, faults
 from .aggregation import FedAvg, FedAvgConfig
 from .checkpoint import Checkpointer, latest
 from .comm import CommMeter
-from .config import default_of
+from .config import OptimizerConfig, TrainerConfig, default_of, typed
 from .cost import tier_bandwidth
 from .data import Blocks, RankBatches
 from .evaluation import AVERAGE, GROUPS_MEAN, ONE_MODEL, Evaluation  # noqa: F401  (fldp.simulate's, from here)
@@ -36,7 +36,8 @@ from .schedule import aggregation_steps
 from .step import PhaseTimer, TrainingState, TrainStep, step_row  # noqa: F401  (PhaseTimer: fldp.simulate's)
 
 
-def build_optimizer(model, opt_cfg):
+def build_optimizer(model, opt_cfg: OptimizerConfig):
+    """optimizer.name's torch optimiser (its spec admits adamw and sgd only)."""
     if opt_cfg.name == "adamw":
         # torch wants float betas; Hydra reads `optimizer.betas=[0,0]` as ints
         return torch.optim.AdamW(
@@ -45,14 +46,12 @@ def build_optimizer(model, opt_cfg):
             betas=(float(opt_cfg.betas[0]), float(opt_cfg.betas[1])),
             weight_decay=opt_cfg.weight_decay,
         )
-    if opt_cfg.name == "sgd":
-        return torch.optim.SGD(
-            model.parameters(), lr=opt_cfg.lr, momentum=opt_cfg.momentum, weight_decay=opt_cfg.weight_decay
-        )
-    raise ConfigError(f"optimizer.name={opt_cfg.name!r}: must be adamw or sgd")
+    return torch.optim.SGD(
+        model.parameters(), lr=opt_cfg.lr, momentum=opt_cfg.momentum, weight_decay=opt_cfg.weight_decay
+    )
 
 
-def build_scheduler(optimizer, opt_cfg, steps: int):
+def build_scheduler(optimizer, opt_cfg: OptimizerConfig, steps: int):
     """Linear warm-up over the first `opt_cfg.warmup` of the steps, then cosine to 0 (the paper's)."""
     return get_cosine_schedule_with_warmup(optimizer, int(opt_cfg.warmup * steps), steps)
 
@@ -127,9 +126,10 @@ def build(cfg, blocks: Blocks, device: torch.device, place: Placement, member=No
         if fedavg_cfg
         else None
     )
-    optimizer = build_optimizer(model, cfg.optimizer)
-    scheduler = build_scheduler(optimizer, cfg.optimizer, place.steps)
-    state = TrainingState(model, optimizer, scheduler, fedavg, clip_norm=cfg.optimizer.get("clip_norm"))
+    opt_cfg = typed(OptimizerConfig, cfg.optimizer, "optimizer")
+    optimizer = build_optimizer(model, opt_cfg)
+    scheduler = build_scheduler(optimizer, opt_cfg, place.steps)
+    state = TrainingState(model, optimizer, scheduler, fedavg, clip_norm=opt_cfg.clip_norm)
     return state, federation
 
 
@@ -245,6 +245,12 @@ class RunRecords:
         return summary
 
 
+def evaluation_of(cfg, state: TrainingState, blocks: Blocks, device, place: Placement, elastic: bool) -> Evaluation:
+    """The run's evaluations, given the trainer's own settings (trainer.*) and the seed."""
+    trainer = typed(TrainerConfig, cfg.trainer, "trainer")
+    return Evaluation(state.model, trainer, cfg.seed, blocks, device, state.fedavg, state.partial, elastic, place.steps)
+
+
 def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None, member=None) -> dict | None:
     """Run one experiment on this rank (the process group is initialised). Rank 0 writes the
     records and returns the summary. `on_step(step, state, aggregated)`, if given, runs on every
@@ -276,9 +282,7 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None,
     records = RunRecords.open(cfg, run_dir, place, member, state.step)
     if heal:
         records.log(heal)
-    evaluation = Evaluation(
-        state.model, cfg, blocks, device, state.fedavg, state.partial, member is not None, place.steps
-    )
+    evaluation = evaluation_of(cfg, state, blocks, device, place, elastic=member is not None)
     while state.step < place.steps:
         outcome = train_step()
         row = step_row(

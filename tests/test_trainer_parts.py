@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
+from fldp.config import TrainerConfig
 from fldp.evaluation import Evaluation
 from fldp.faults import Drills
 from fldp.records import PHASES
@@ -101,10 +101,13 @@ def test_a_heal_in_the_aggregation_moves_the_state_and_the_batches_follow():
 
 
 def test_an_evaluation_is_due_every_eval_every_steps_but_the_last():
-    cfg = OmegaConf.create({"trainer": {"eval_every": 4}})
-    evaluation = Evaluation(None, cfg, None, CPU, None, partial=False, elastic=False, steps=12)
+    evaluation = Evaluation(
+        None, TrainerConfig(eval_every=4), 0, None, CPU, None, partial=False, elastic=False, steps=12
+    )
     assert [s for s in range(1, 13) if evaluation.due(s)] == [4, 8]
-    cfg.trainer.eval_every = 0
+    evaluation = Evaluation(
+        None, TrainerConfig(eval_every=0), 0, None, CPU, None, partial=False, elastic=False, steps=12
+    )
     assert not any(evaluation.due(s) for s in range(1, 13))
 
 
