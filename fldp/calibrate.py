@@ -6,7 +6,8 @@ model (fldp/steptime.py) to use instead of published figures.
 - compute: one of the model's own decoder layers, built from the config on the topology's device in
   the run's precision, on the run's tokens per rank (trainer.batch_size x dataset.block_size) and
   the run's threads per rank: forward, and forward + backward, timed (median after warm-up), as
-  FLOP/s by steptime.flops_per_token's definition (backward: twice forward);
+  FLOP/s by steptime.flops_per_token's definition (backward: twice forward); every rank at once, as
+  in a run (a CPU node's ranks share its cores), the median rank's kept;
 - collectives: the topology's ranks as real processes (gloo on cpu, NCCL on cuda; on emulated nodes
   inside their namespaces, as fldp-train starts them), per network tier: `node` (the ranks of
   node 0), `inter-node` (one rank per node) and `inter-node-shared` (every rank of every node at
@@ -286,16 +287,27 @@ def measure_compute(cfg, settings: Settings, device) -> dict:
     }
 
 
+def _median_over_ranks(computed: list[dict]) -> dict:
+    """The ranks' compute measurements as one: each time and rate the median rank's."""
+    out = dict(computed[0], ranks_at_once=len(computed))
+    for key in ("layer_forward_s", "layer_train_s", "flop_s_forward", "flop_s_train"):
+        out[key] = statistics.median(c[key] for c in computed)
+    return out
+
+
 def calibrate_rank(cfg, settings: Settings, out: str, device) -> None:
-    """Every rank: rank 0 times the compute while the others wait in a barrier (blocked, not
-    competing for the cores), then every rank the tiers' collectives; rank 0 writes the profile."""
+    """Every rank: the compute, all ranks at once (the median rank's; a GPU each has its own, the
+    cores of a CPU node its ranks share, as in a run), then the tiers' collectives; rank 0 writes
+    the profile."""
     import torch.distributed as dist
 
     from .model import DTYPES
 
     topology = cfg.topology
-    compute = measure_compute(cfg, settings, device) if dist.get_rank() == 0 else {}
-    dist.barrier()
+    dist.barrier()  # every rank computes at once, as in a run: on a CPU the node's ranks share its cores
+    computed: list = [None] * dist.get_world_size()
+    dist.all_gather_object(computed, measure_compute(cfg, settings, device))
+    compute = _median_over_ranks(computed)
     dtype = DTYPES[cfg.trainer.precision]
     tiers = tiers_of(topology.nodes, topology.procs_per_node, settings.shared)
     measured = {tier.name: time_tier(tier, settings, dtype, device) for tier in tiers}

@@ -124,7 +124,8 @@ def test_bad_input_exits_2_before_any_worker(tmp_path, bad, says):
 @pytest.fixture(scope="module")
 def local_profile(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("calibrate")
-    out = calibrate(tmp, "topology=local_2", *QUICK, "calibrate.sizes=[4096,262144]", "calibrate.out=p.yaml")
+    # 4 MiB: long enough on loopback (~4 ms at 1 GB/s) for the bandwidth to show beside the latency
+    out = calibrate(tmp, "topology=local_2", *QUICK, "calibrate.sizes=[4096,4194304]", "calibrate.out=p.yaml")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "beta [MB/s per rank]" in out.stdout and "node: median seconds" in out.stdout, out.stdout
     return tmp / "p.yaml", yaml.safe_load((tmp / "p.yaml").read_text())
@@ -136,7 +137,7 @@ def test_the_installed_command_writes_a_profile_of_the_machine(local_profile):
     node = prof["tiers"]["node"]
     assert set(prof["tiers"]) == {"node"} and node["ranks_per_group"] == 2
     assert node["alpha_s"] >= 0 and 0 < node["beta_bytes_s"] < float("inf") and node["residual"] >= 0
-    assert node["sizes"] == [4096, 262144] and set(node["measured"]) == set(KINDS)
+    assert node["sizes"] == [4096, 4194304] and set(node["measured"]) == set(KINDS)
     assert all(len(node["measured"][k]) == 2 and all(t > 0 for _, t in node["measured"][k]) for k in KINDS)
     compute = prof["compute"]
     assert compute["tokens_per_rank"] == 2 * 128 and compute["flop_s_train"] > 1e6 and compute["flop_s_forward"] > 1e6
