@@ -17,7 +17,7 @@ import numpy as np
 from scipy.optimize import least_squares
 
 from fldp.mesh import MeshShape
-from fldp.steptime import Efficiency, Hardware, Workload, flops_per_token, phases
+from fldp.steptime import Efficiency, Hardware, Workload, phases, workload_for
 
 PHASES = ("forward", "backward", "optimizer", "aggregation")
 FITTED = ("forward", "backward", "aggregation")
@@ -35,17 +35,10 @@ def workload() -> Workload:
     from hydra import compose, initialize_config_dir
 
     from fldp import CONF
-    from fldp.cost import model_units
-    from fldp.model import DTYPES, build_model, llama_config
 
     with initialize_config_dir(str(CONF), version_base="1.3"):
         cfg = compose("config", overrides=["topology=leonardo_512", "model=llama3_1_8b"])
-    model = build_model(llama_config(cfg.model, cfg.model.vocab_size), "meta")
-    units = model_units(model, DTYPES["bf16"])
-    params = sum(p.numel() for p in model.parameters())
-    c = model.config
-    per_token = flops_per_token(params, c.vocab_size * c.hidden_size, c.num_hidden_layers, c.hidden_size, 2048)
-    return Workload(tuple(units.full_bytes()), per_token, cfg.trainer.batch_size * cfg.dataset.block_size)
+    return workload_for(cfg)
 
 
 LEONARDO = Hardware()  # the published figures (fldp/steptime.py)

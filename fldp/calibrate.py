@@ -275,7 +275,20 @@ def measure_compute(cfg, settings: Settings, device) -> dict:
     params = sum(p.numel() for p in model.parameters())
     embedding = model.model.embed_tokens.weight.numel()
     tokens = batch * seq
+    model_flops = flops_per_token(params, embedding, config.num_hidden_layers, config.hidden_size, seq)
+    whole = params * dtype.itemsize * 4 <= WHOLE_MODEL_BYTES
+    if whole:  # the model's own step: its layers, head, norms and the framework's overhead
+        model_train, optimizer, opt_bytes = _whole_model(config, dtype, batch, seq, settings, device)
+    else:  # its layers and its head (lm_head and the loss), as they take their time
+        head_train, optimizer = _head_and_optimizer(layer, x, config, settings, device)
+        model_train = config.num_hidden_layers * train + head_train
+        opt_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
     return {
+        "whole_model": whole,
+        "model_train_s": model_train,
+        "flop_s_model": 3 * model_flops * tokens / model_train,
+        "optimizer_s": optimizer,
+        "optimizer_bytes_s": 7 * opt_bytes / optimizer,  # AdamW reads 4 tensors, writes 3 (steptime)
         "tokens_per_rank": tokens,
         "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "layer_forward_s": forward,
@@ -287,10 +300,63 @@ def measure_compute(cfg, settings: Settings, device) -> dict:
     }
 
 
+# a model whose parameters, gradients and AdamW's moments fit in this is timed whole (tiny_llama:
+# ~10 MB); a larger one by one decoder layer and its head
+WHOLE_MODEL_BYTES = 1 << 30
+
+
+def _whole_model(config, dtype, batch: int, seq: int, settings: Settings, device) -> tuple[float, float, int]:
+    """Seconds of the whole model's forward + backward on the run's tokens and of one AdamW step
+    over it, and its parameters' bytes."""
+    import torch
+
+    from .model import build_model
+
+    model = build_model(config, device).to(dtype)
+    with torch.device(device):
+        ids = torch.randint(config.vocab_size, (batch, seq))
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-12)
+
+    def train():
+        model(input_ids=ids, labels=ids).loss.backward()
+
+    train_s = _median_time(train, settings, device)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return train_s, _median_time(adamw.step, settings, device), nbytes
+
+
+def _head_and_optimizer(layer, x, config, settings: Settings, device) -> tuple[float, float]:
+    """Seconds of the head's forward + backward (lm_head and the loss on the run's tokens) and of
+    one AdamW step over the decoder layer's parameters."""
+    import torch
+
+    hidden = x.detach().reshape(-1, config.hidden_size).requires_grad_(True)
+    with torch.device(device):
+        head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False).to(x.dtype)
+        labels = torch.randint(config.vocab_size, (hidden.shape[0],))
+
+    def head_train():
+        torch.nn.functional.cross_entropy(head(hidden).float(), labels).backward()
+
+    for p in layer.parameters():
+        p.grad = torch.zeros_like(p)
+    adamw = torch.optim.AdamW(layer.parameters(), lr=1e-12)
+    return _median_time(head_train, settings, device), _median_time(adamw.step, settings, device)
+
+
 def _median_over_ranks(computed: list[dict]) -> dict:
     """The ranks' compute measurements as one: each time and rate the median rank's."""
     out = dict(computed[0], ranks_at_once=len(computed))
-    for key in ("layer_forward_s", "layer_train_s", "flop_s_forward", "flop_s_train"):
+    for key in (
+        "layer_forward_s",
+        "layer_train_s",
+        "flop_s_forward",
+        "flop_s_train",
+        "model_train_s",
+        "flop_s_model",
+        "optimizer_s",
+        "optimizer_bytes_s",
+    ):
         out[key] = statistics.median(c[key] for c in computed)
     return out
 

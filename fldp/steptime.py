@@ -40,20 +40,29 @@ class Hardware:
     gpus_per_node: int = 4
     latency: float = 10e-6  # seconds per ring step across nodes
     node_latency: float = 0.0  # seconds per ring step inside a node (NVLink's: neglected)
+    # the collectives' library: gloo's reduce-scatter is an all-reduce (docs/netns.md), and its
+    # all-reduce a ring at any span (NCCL's tuning picks a tree across nodes)
+    backend: str = "nccl"
 
     @classmethod
     def from_profile(cls, profile: dict, base: Hardware | None = None) -> Hardware:
         """The node fldp-calibrate measured (its profile, as read from YAML): the sustained FLOP/s of
-        forward + backward as the peak, so use it with MEASURED; each tier's beta and alpha; the
-        node's NICs as the shared tier's beta times its ranks (else one flow's). What it did not
-        measure (HBM) comes from `base` (default: the published figures)."""
+        the model's forward + backward (its layers and head) as the peak, so use it with MEASURED;
+        the optimizer's bytes/s as the memory's; each tier's beta and alpha; the node's NICs as the
+        shared tier's beta times its ranks (else one flow's). What it did not measure comes from
+        `base` (default: the published figures)."""
         if profile.get("format") != 1:
             raise ValueError(f"not a profile of fldp-calibrate's format 1: format={profile.get('format')!r}")
         base = base or cls()
         tiers, ranks = profile.get("tiers") or {}, profile["topology"]["procs_per_node"]
         node, across = tiers.get("node"), tiers.get("inter-node")
         shared = tiers.get("inter-node-shared")
-        found: dict = {"peak_flops": profile["compute"]["flop_s_train"], "gpus_per_node": ranks}
+        compute = profile["compute"]
+        # the whole model's rate (its layers and head) where measured, else one layer's
+        found: dict = {"peak_flops": compute.get("flop_s_model", compute["flop_s_train"]), "gpus_per_node": ranks}
+        if "optimizer_bytes_s" in compute:
+            found["hbm"] = compute["optimizer_bytes_s"]
+        found["backend"] = (profile.get("machine") or {}).get("backend", base.backend)
         if node:
             found.update(nvlink=node["beta_bytes_s"], node_latency=node["alpha_s"])
         if across:
@@ -97,6 +106,18 @@ class Workload:
     flops_per_token: float
     tokens: int
     element: int = 2
+
+
+def workload_for(cfg) -> Workload:
+    """A composed config's step on one rank: its model's FSDP units in the run's dtype, FLOPs per
+    token at its block size, its tokens per rank."""
+    from .cost import config_model
+
+    model, units = config_model(cfg)
+    c, seq = model.config, int(cfg.dataset.block_size)
+    params = sum(p.numel() for p in model.parameters())
+    per_token = flops_per_token(params, c.vocab_size * c.hidden_size, c.num_hidden_layers, c.hidden_size, seq)
+    return Workload(tuple(units.full_bytes()), per_token, int(cfg.trainer.batch_size) * seq, units.element_size)
 
 
 def flops_per_token(params: int, embedding: int, layers: int, hidden: int, seq: int) -> float:
@@ -157,8 +178,15 @@ def phases(work: Workload, shape, every: int | None, hw: Hardware, eff: Efficien
     def gather(unit):  # the all-gather of a unit's parameters (or reduce-scatter of its gradients)
         return ring("all_gather", unit, S, shard.bandwidth, shard.latency)
 
+    def scatter(unit):  # the reduce-scatter of a unit's gradients; gloo all-reduces them
+        if hw.backend == "gloo":
+            return all_reduce(unit, S, shard.bandwidth, shard.latency, across_nodes=False)
+        return gather(unit)
+
     def replicas(unit):  # HSDP: the gradient shard all-reduced over the replicas
-        return all_reduce(unit / S, R, replicate.bandwidth, replicate.latency, replicate.nodes > 1)
+        return all_reduce(unit / S, R, replicate.bandwidth, replicate.latency, tree and replicate.nodes > 1)
+
+    tree = hw.backend == "nccl"
 
     compute = work.flops_per_token * work.tokens / (hw.peak_flops * eff.compute)
     per_layer = compute / len(layers)
@@ -166,14 +194,16 @@ def phases(work: Workload, shape, every: int | None, hw: Hardware, eff: Efficien
     # FSDP2 gathers on one stream and reduce-scatters, then all-reduces, on another: on one link
     # they share it; the replicas' all-reduce on the NIC runs beside NVLink's gathers
     backward = sum(
-        max(2 * per_layer, gather(u) + gather(u) if replicate.nodes == 1 else max(gather(u), gather(u) + replicas(u)))
+        max(2 * per_layer, gather(u) + scatter(u) if replicate.nodes == 1 else max(gather(u), scatter(u) + replicas(u)))
         for u in layers
     )
-    backward += gather(root) + replicas(root)
+    backward += scatter(root) + replicas(root)
     shard_bytes = sum(work.unit_bytes) / S
     optimizer = 7 * shard_bytes / hw.hbm  # AdamW: reads 4 tensors of the shard, writes 3
     aggregation = 0.0
     if every and shape.federation > 1:
         fed = dim_link("federation", shape, hw, eff)
-        aggregation = all_reduce(shard_bytes, shape.federation, fed.bandwidth, fed.latency, fed.nodes > 1) / every
+        aggregation = (
+            all_reduce(shard_bytes, shape.federation, fed.bandwidth, fed.latency, tree and fed.nodes > 1) / every
+        )
     return {"forward": forward, "backward": backward, "optimizer": optimizer, "aggregation": aggregation}

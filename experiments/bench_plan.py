@@ -1,0 +1,181 @@
+"""The step-time model against emulated nodes (issue 31; not a timed test): on a netns topology at a
+link cap, fldp-calibrate measures the machine, then every layout fldp-plan enumerates ((F, R, S)
+with F x R x S = the world, and each A where F > 1) is predicted (fldp.steptime.phases with the
+profile's hardware, steptime.MEASURED) and run, its step time measured as bench_netns amortises it
+(median of the steps without aggregation + the aggregation's extra x its share, step 1 left out).
+Repeats are interleaved over the layouts, so load on this shared machine hits them alike.
+
+    python experiments/bench_plan.py [--topologies netns_4x2] [--mbit 50,200] [--every 4,8]
+        [--steps 12] [--repeats 3] [--out experiments/plan] [--layouts 8x1x1,1x1x8] [OVERRIDES]
+
+It writes OUT/results.csv, one row per layout: topology, link_mbit, F, R, S, A, predicted_s,
+measured_s (mean over repeats) and its 95% t-interval (measured_low, measured_high), the relative
+error and the repeats' times; and prints each setting's summary against issue 31's goals: every
+error within 15%, median within 10%, the predicted fastest within 5% of the measured fastest, and
+Spearman's rank correlation >= 0.9. Needs root and iproute2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from scipy import stats
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "experiments"))
+
+from bench_netns import compose_cfg, run, write_results  # noqa: E402
+
+from fldp import netns  # noqa: E402
+from fldp.data import prepare  # noqa: E402
+from fldp.mesh import mesh_shape  # noqa: E402
+from fldp.plan import BY_DIMS, layouts  # noqa: E402
+from fldp.steptime import MEASURED, hardware_for, phases, workload_for  # noqa: E402
+
+QUIET = ["wandb.mode=disabled", "trainer.progress=false", "trainer.eval_batches=1"]
+SIZES = "[65536,262144,1048576]"  # up to 1 MiB: at 50 Mbit/s the shared tier's all-reduce takes ~1 s
+
+
+def calibrate(setting: list[str], out: Path) -> Path:
+    """fldp-calibrate on the setting (the installed command, as a user runs it): the profile's path."""
+    cmd = ["fldp-calibrate", *setting, *QUIET, f"calibrate.sizes={SIZES}", f"calibrate.out={out}"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+    return out
+
+
+def points(setting: list[str], everies: list[int], only: set[str]) -> list[list[str]]:
+    """Each layout's overrides (and each A where it federates), as fldp-plan enumerates them."""
+    cfg = compose_cfg(*setting)
+    out = []
+    for shape in layouts(cfg.topology.nodes * cfg.topology.procs_per_node):
+        if only and str(shape) not in only and f"{shape.federation}x{shape.replicate}x{shape.shard}" not in only:
+            continue
+        name = BY_DIMS[(shape.federation > 1, shape.replicate > 1)]
+        mesh = [f"mesh.federation={shape.federation}", f"mesh.replicate={shape.replicate}", f"mesh.shard={shape.shard}"]
+        for every in everies if shape.federation > 1 else [None]:
+            out.append([f"algorithm={name}", *mesh, *([f"algorithm.every={every}"] if every else [])])
+    return out
+
+
+def predicted(cfg, every: int | None) -> float:
+    """Seconds per step by the step-time model, on the profile's hardware."""
+    return sum(phases(workload_for(cfg), mesh_shape(cfg), every, hardware_for(cfg.topology), MEASURED).values())
+
+
+def interval(times: list[float]) -> tuple[float, float, float]:
+    """Mean and its 95% t-interval (the mean itself, twice, from one repeat)."""
+    mean = statistics.fmean(times)
+    if len(times) < 2:
+        return mean, mean, mean
+    low, high = stats.t.interval(0.95, len(times) - 1, loc=mean, scale=stats.sem(times))
+    return mean, float(low), float(high)
+
+
+def measure(setting: list[str], profile: Path, args, tmp: Path) -> list[dict]:
+    """Every point of one setting: predicted, then run `repeats` times, interleaved."""
+    common = [*setting, f"+topology.profile={profile}", f"trainer.steps={args.steps}", *QUIET, *args.overrides]
+    cfgs = [compose_cfg(*common, *p) for p in points(setting, args.every, set(args.layouts))]
+    netns.check(cfgs[0], forks_locally=True)
+    blocks = prepare(cfgs[0].dataset)
+    import fldp.trainer  # noqa: F401  (once here, not in every forked worker)
+
+    times: list[list[float]] = [[] for _ in cfgs]
+    for _ in range(args.repeats):
+        for i, cfg in enumerate(cfgs):
+            times[i].append(run(cfg, blocks, tmp)["step_s"])
+    rows = []
+    for cfg, ts in zip(cfgs, times):
+        shape, every = mesh_shape(cfg), (cfg.algorithm.every if shape_federates(cfg) else None)
+        mean, low, high = interval(ts)
+        pred = predicted(cfg, every)
+        rows.append(
+            {
+                "topology": cfg.topology.name,
+                "link_mbit": round(cfg.topology.network[-1].gbit_s * 1e3, 3),
+                "F": shape.federation,
+                "R": shape.replicate,
+                "S": shape.shard,
+                "A": every if every is not None else "",
+                "predicted_s": round(pred, 4),
+                "measured_s": round(mean, 4),
+                "measured_low": round(low, 4),
+                "measured_high": round(high, 4),
+                "error": round(pred / mean - 1, 4),
+                "repeats_s": " ".join(f"{t:.4f}" for t in ts),
+            }
+        )
+    return rows
+
+
+def shape_federates(cfg) -> bool:
+    return mesh_shape(cfg).federation > 1
+
+
+def summary(rows: list[dict]) -> dict:
+    """One setting against issue 31's goals."""
+    errors = [abs(r["error"]) for r in rows]
+    best_predicted = min(rows, key=lambda r: r["predicted_s"])
+    fastest = min(r["measured_s"] for r in rows)
+    rho = stats.spearmanr([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]).statistic
+    return {
+        "layouts": len(rows),
+        "max_error": max(errors),
+        "median_error": statistics.median(errors),
+        "first_choice_gap": best_predicted["measured_s"] / fastest - 1,
+        "spearman": float(rho) if len(rows) > 2 else float("nan"),
+    }
+
+
+def verdict(s: dict) -> str:
+    goals = [
+        ("every error <= 15%", s["max_error"] <= 0.15),
+        ("median error <= 10%", s["median_error"] <= 0.10),
+        ("first choice within 5%", s["first_choice_gap"] <= 0.05),
+        ("rank correlation >= 0.9", s["spearman"] >= 0.9),
+    ]
+    return "; ".join(f"{name}: {'met' if ok else 'NOT met'}" for name, ok in goals)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--topologies", default="netns_4x2,netns_2x4")
+    ap.add_argument("--mbit", default="50,200", help="link caps, Mbit/s each way per node")
+    ap.add_argument("--every", default="4,8", help="values of A")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--layouts", default="", help="only these FxRxS (default: all)")
+    ap.add_argument("--out", default=str(ROOT / "experiments" / "plan"))
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides for every run")
+    args = ap.parse_args()
+    args.every = [int(a) for a in args.every.split(",")]
+    args.layouts = [x for x in args.layouts.split(",") if x]
+    start, rows = time.monotonic(), []
+    with tempfile.TemporaryDirectory() as tmp:
+        for topology in args.topologies.split(","):
+            for mbit in (float(m) for m in args.mbit.split(",")):
+                setting = [f"topology={topology}", f"topology.network.1.gbit_s={mbit / 1e3:g}"]
+                profile = calibrate(setting, Path(tmp) / f"{topology}-{mbit:g}.yaml")
+                found = measure(setting, profile, args, Path(tmp))
+                s = summary(found)
+                print(
+                    f"{topology} at {mbit:g} Mbit/s: {s['layouts']} layouts, error max {s['max_error']:.0%}, "
+                    f"median {s['median_error']:.0%}; the predicted fastest runs {s['first_choice_gap']:+.0%} "
+                    f"against the measured fastest; Spearman {s['spearman']:.2f}\n  {verdict(s)}",
+                    flush=True,
+                )
+                rows += found
+    write_results(Path(args.out), rows)
+    print(f"{len(rows)} rows in {Path(args.out) / 'results.csv'}, {time.monotonic() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
