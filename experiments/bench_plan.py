@@ -8,7 +8,7 @@ Repeats are interleaved over the layouts, so load on this shared machine hits th
     python experiments/bench_plan.py [--topologies netns_4x2] [--mbit 50,200] [--every 4,8]
         [--steps 12] [--repeats 3] [--out experiments/plan] [--layouts 8x1x1,1x1x8] [OVERRIDES]
 
-It writes OUT/results.csv, one row per layout: topology, link_mbit, F, R, S, A, predicted_s,
+It writes OUT/profile_TOPOLOGY_MBIT.yaml (fldp-calibrate's), and OUT/results.csv, one row per layout: topology, link_mbit, F, R, S, A, predicted_s,
 measured_s (mean over repeats) and its 95% t-interval (measured_low, measured_high), the relative
 error and the repeats' times; and prints each setting's summary against issue 31's goals: every
 error within 15%, median within 10%, the predicted fastest within 5% of the measured fastest, and
@@ -159,11 +159,12 @@ def main() -> None:
     args.every = [int(a) for a in args.every.split(",")]
     args.layouts = [x for x in args.layouts.split(",") if x]
     start, rows = time.monotonic(), []
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for topology in args.topologies.split(","):
             for mbit in (float(m) for m in args.mbit.split(",")):
                 setting = [f"topology={topology}", f"topology.network.1.gbit_s={mbit / 1e3:g}"]
-                profile = calibrate(setting, Path(tmp) / f"{topology}-{mbit:g}.yaml")
+                profile = calibrate(setting, Path(args.out) / f"profile_{topology}_{mbit:g}.yaml")
                 found = measure(setting, profile, args, Path(tmp))
                 s = summary(found)
                 print(

@@ -3,11 +3,12 @@ model (fldp/steptime.py) to use instead of published figures.
 
     fldp-calibrate topology=local_4 model=tiny_llama [calibrate.out=profile.yaml] [calibrate.sizes=[4096,65536]]
 
-- compute: one of the model's own decoder layers, built from the config on the topology's device in
-  the run's precision, on the run's tokens per rank (trainer.batch_size x dataset.block_size) and
-  the run's threads per rank: forward, and forward + backward, timed (median after warm-up), as
-  FLOP/s by steptime.flops_per_token's definition (backward: twice forward); every rank at once, as
-  in a run (a CPU node's ranks share its cores), the median rank's kept;
+- compute: the model's own step, built from the config on the topology's device in the run's
+  precision, on the run's tokens per rank (trainer.batch_size x dataset.block_size) and the run's
+  threads per rank, timed (median after warm-up), as FLOP/s by steptime.flops_per_token's definition
+  (backward: twice forward): the whole model and an AdamW step over it where they fit in
+  WHOLE_MODEL_BYTES, else one decoder layer and the head; every rank at once, as in a run (a CPU
+  node's ranks share its cores), the median rank's kept;
 - collectives: the topology's ranks as real processes (gloo on cpu, NCCL on cuda; on emulated nodes
   inside their namespaces, as fldp-train starts them), per network tier: `node` (the ranks of
   node 0), `inter-node` (one rank per node) and `inter-node-shared` (every rank of every node at
