@@ -1,11 +1,12 @@
 """fldp-plan: which layout to run. Every (F, R, S) the topology's ranks allow, and A from a list,
-with the memory per rank (fldp/memory.py), checked against topology.memory_gb, and the
-communication per step (fldp/cost.py's 'exact' variant: ring collectives at each tier's bandwidth,
-aggregations amortised). Layouts that do not fit are dropped, saying why; the rest are ranked by
-predicted communication time per step. Every layout computes the same tokens per rank per step,
-so the compute adds the same to each; what the ranking cannot see is what the cost model leaves
-out (overlap with compute, a node's NIC shared by its ranks, latency, efficiency across many
-nodes: issue 31's calibrated step-time model, not built yet), so read it as a shortlist to run.
+with the memory per rank (fldp/memory.py), checked against topology.memory_gb, and the predicted
+step time by phase (fldp/steptime.py: compute at a sustained rate, FSDP's collectives overlapped
+with it, each tier's alpha and beta, a node's NIC shared, the aggregation amortised over A), on the
+topology's calibration profile (topology.profile, fldp-calibrate) or else the published figures
+with Table 4's fitted efficiencies. Layouts that do not fit are dropped, saying why; the rest are
+ranked by predicted seconds per step (every layout computes the same tokens per rank). Beside it,
+fldp/cost.py's communication alone. The model's errors (docs/communication.md: up to 31% on Table
+4's rows, 14-54% on emulated nodes) make it a shortlist to run, not a verdict.
 
     fldp-plan topology=leonardo_512 model=llama3_1_8b [--every 4,8,16] [--top 3] [--json]
 """
@@ -31,11 +32,16 @@ class Candidate:
     replicate: int
     shard: int
     every: int | None
-    communication_s: float  # per step, 'exact'
+    phases: dict  # predicted seconds per step by phase (fldp/steptime.py)
+    communication_s: float  # per step, fldp/cost.py's 'exact' (collectives alone, no overlap)
     bytes_per_step: dict
     memory_gb: float
     fits: bool | None
     why_not: str = ""
+
+    @property
+    def step_s(self) -> float:
+        return sum(self.phases.values())
 
     @property
     def mesh(self) -> str:
@@ -75,18 +81,23 @@ def candidates(configs: dict, everies: list[int]) -> list[Candidate]:
 
     from .cost import config_model, predict_for
     from .memory import for_config
+    from .steptime import efficiency_for, hardware_for, phases, workload_for
 
     cfg = configs["fsdp"]
     model, units = config_model(cfg)
+    work, hw, eff = workload_for(cfg, (model, units)), hardware_for(cfg.topology), efficiency_for(cfg.topology)
+    variants: dict = {}  # (algorithm, A): its config, copied once (a copy of a composed config is slow)
     capacity = cfg.topology.get("memory_gb")
     out = []
     for shape in layouts(cfg.topology.nodes * cfg.topology.procs_per_node):
         name = BY_DIMS[(shape.federation > 1, shape.replicate > 1)]
         for every in everies if shape.federation > 1 else [None]:
-            chosen = copy.deepcopy(configs[name])
-            if every is not None:
-                with open_dict(chosen):
-                    chosen.algorithm.every = every
+            chosen = variants.get((name, every))
+            if chosen is None:
+                chosen = variants[(name, every)] = copy.deepcopy(configs[name])
+                if every is not None:
+                    with open_dict(chosen):
+                        chosen.algorithm.every = every
             pred = predict_for(chosen, units, shape.federation > 1, shape)
             memory = for_config(chosen, model, units, shape)
             fits = memory.peak <= capacity * 1e9 if capacity else None
@@ -98,6 +109,7 @@ def candidates(configs: dict, everies: list[int]) -> list[Candidate]:
                     shape.replicate,
                     shape.shard,
                     every,
+                    phases(work, shape, every, hw, eff),
                     sum(pred.exact.values()),
                     dict(pred.bytes_per_step),
                     memory.peak / 1e9,
@@ -115,7 +127,7 @@ def _why_not(memory, capacity: float) -> str:
 
 def ranked(found: list[Candidate]) -> tuple[list[Candidate], list[Candidate]]:
     """Those that fit (or whose topology says no capacity), fastest first; those that do not."""
-    fitting = sorted((c for c in found if c.fits is not False), key=lambda c: (c.communication_s, c.memory_gb))
+    fitting = sorted((c for c in found if c.fits is not False), key=lambda c: (c.step_s, c.memory_gb))
     return fitting, [c for c in found if c.fits is False]
 
 
@@ -131,14 +143,19 @@ def table(fitting: list[Candidate], tokens_per_step: int, capacity):
     from rich import box
     from rich.table import Table
 
-    t = Table(title="Layouts that fit, fastest communication first", title_justify="left", box=box.SIMPLE_HEAD)
+    t = Table(title="Layouts that fit, fastest predicted step first", title_justify="left", box=box.SIMPLE_HEAD)
     for header in (
         "#",
         "algorithm",
         "mesh FxRxS",
         "A",
-        "comm [s/step]",
-        "comm [us/token]",
+        "step [s]",
+        "step [us/token]",
+        "fwd",
+        "bwd",
+        "opt",
+        "agg",
+        "comm alone [s]",
         "shard [GB]",
         "replicate [GB]",
         "federation [GB]",
@@ -152,8 +169,10 @@ def table(fitting: list[Candidate], tokens_per_step: int, capacity):
             c.algorithm,
             c.mesh,
             str(c.every or "-"),
+            f"{c.step_s:.4g}",
+            f"{c.step_s / tokens_per_step * 1e6:.3g}",
+            *(f"{c.phases[p]:.3g}" for p in ("forward", "backward", "optimizer", "aggregation")),
             f"{c.communication_s:.4g}",
-            f"{c.communication_s / tokens_per_step * 1e6:.3g}",
             *sent,
             f"{c.memory_gb:.3g}" + ("" if capacity else " (no limit)"),
         )
@@ -207,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
 def _print(cfg, fitting, dropped, top: int, overrides: list[str]) -> None:
     from rich.console import Console
 
-    console = Console(highlight=False, markup=False)
+    console = Console(highlight=False, markup=False, width=None if sys.stdout.isatty() else 200)
     capacity = cfg.topology.get("memory_gb")
     world = cfg.topology.nodes * cfg.topology.procs_per_node
     tokens = world * cfg.trainer.batch_size * cfg.dataset.block_size
@@ -220,9 +239,10 @@ def _print(cfg, fitting, dropped, top: int, overrides: list[str]) -> None:
         console.print(f"Dropped, not fitting in memory ({len(dropped)}):")
         for c in dropped:
             console.print(f"  {c.algorithm} {c.mesh}" + (f" A={c.every}" if c.every else "") + f": {c.why_not}")
+    source = f"the profile {cfg.topology.profile}" if cfg.topology.get("profile") else "Table 4's fit"
     console.print(
-        "Communication only: every layout computes the same tokens per rank per step; the "
-        "compute time, not modelled yet, adds the same to each."
+        f"Step: fldp/steptime.py's phases (seconds per step; the aggregation amortised over A) on "
+        f"{source}; comm alone: fldp/cost.py's collectives without compute or overlap."
     )
     console.print(f"The top {min(top, len(fitting))}, each as a multirun over 3 seeds:")
     for c in fitting[:top]:

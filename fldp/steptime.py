@@ -83,6 +83,14 @@ class Efficiency:
 
 # a calibrated Hardware (from_profile) is already what the machine sustains
 MEASURED = Efficiency(compute=1.0, network=1.0, span=0.0)
+# the published figures' efficiencies fitted to all four rows of the paper's Table 4 (Leonardo):
+# analysis/steptime_fit.py's "all four" fit, rounded (tests/test_steptime.py re-fits and compares)
+TABLE4_FIT = Efficiency(compute=0.543, network=0.954, span=0.187)
+
+
+def efficiency_for(topology) -> Efficiency:
+    """What to use with hardware_for(topology): a calibrated node's own rates, else Table 4's fit."""
+    return MEASURED if topology.get("profile") else TABLE4_FIT
 
 
 def hardware_for(topology) -> Hardware:
@@ -108,12 +116,12 @@ class Workload:
     element: int = 2
 
 
-def workload_for(cfg) -> Workload:
+def workload_for(cfg, built: tuple | None = None) -> Workload:
     """A composed config's step on one rank: its model's FSDP units in the run's dtype, FLOPs per
-    token at its block size, its tokens per rank."""
+    token at its block size, its tokens per rank. built: cost.config_model(cfg), if already made."""
     from .cost import config_model
 
-    model, units = config_model(cfg)
+    model, units = built or config_model(cfg)
     c, seq = model.config, int(cfg.dataset.block_size)
     params = sum(p.numel() for p in model.parameters())
     per_token = flops_per_token(params, c.vocab_size * c.hidden_size, c.num_hidden_layers, c.hidden_size, seq)

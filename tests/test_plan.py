@@ -12,11 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import compose_cfg
 
 from fldp.mesh import MeshShape
 from fldp.plan import layouts
 from fldp.schema import check
+from fldp.steptime import efficiency_for, hardware_for, phases, workload_for
 
 PAPER = ["topology=leonardo_512", "model=llama3_1_8b"]
 # the authors' layouts (F, R, S, A): all four fit in the A100's 64 GB
@@ -50,8 +52,49 @@ def test_the_paper_layouts_fit_and_those_without_sharding_do_not(plan_json):
     unsharded = [r for r in plan_json if r["shard"] == 1]
     assert unsharded and not any(r["fits"] for r in unsharded)
     assert all("GB > 64 GB" in r["why_not"] for r in unsharded)
-    fitting = [r["communication_s"] for r in plan_json if r["fits"]]
-    assert fitting == sorted(fitting)  # ranked
+
+
+def _steps(cfg, rows: list[dict]) -> list[float]:
+    """Each row's step time as fldp/steptime.py predicts it for the config's topology."""
+    work, hw, eff = workload_for(cfg), hardware_for(cfg.topology), efficiency_for(cfg.topology)
+    return [
+        sum(phases(work, MeshShape(r["federation"], r["replicate"], r["shard"]), r["every"], hw, eff).values())
+        for r in rows
+    ]
+
+
+def test_the_fitting_layouts_are_ranked_by_their_predicted_step(plan_json):
+    fitting = [r for r in plan_json if r["fits"]]
+    steps = _steps(compose_cfg(*PAPER), fitting)
+    assert steps == sorted(steps) and len(steps) > 10  # fastest predicted first
+    assert all(sum(r["phases"].values()) == pytest.approx(s, rel=1e-12) for r, s in zip(fitting, steps))
+    assert set(fitting[0]["phases"]) == {"forward", "backward", "optimizer", "aggregation"}
+
+
+def test_a_calibration_profile_is_what_the_plan_predicts_with(tmp_path):
+    """A node measured far slower across nodes than Leonardo's figures: the plan's times are the
+    profile's (steptime.MEASURED on its hardware), not the published figures'."""
+    profile = {
+        "format": 1,
+        "topology": {"procs_per_node": 4},
+        "machine": {"backend": "nccl"},
+        "compute": {"flop_s_train": 1.5e14, "flop_s_model": 1.5e14, "optimizer_bytes_s": 1e12},
+        "tiers": {
+            "node": {"alpha_s": 1e-5, "beta_bytes_s": 1e11},
+            "inter-node": {"alpha_s": 1e-4, "beta_bytes_s": 1e8},
+            "inter-node-shared": {"alpha_s": 1e-4, "beta_bytes_s": 2.5e7, "groups_at_once": 4},
+        },
+    }
+    path = tmp_path / "slow.yaml"
+    path.write_text(yaml.safe_dump(profile))
+    out = fldp_plan(*PAPER, f"+topology.profile={path}", "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    fitting = [r for r in json.loads(out.stdout) if r["fits"]]
+    steps = _steps(compose_cfg(*PAPER, f"+topology.profile={path}"), fitting)
+    assert all(sum(r["phases"].values()) == pytest.approx(s, rel=1e-12) for r, s in zip(fitting, steps))
+    assert steps == sorted(steps)
+    published = _steps(compose_cfg(*PAPER), fitting)
+    assert all(s > p for s, p in zip(steps, published))  # a 100 MB/s link is slower than HDR100
 
 
 def test_the_table_and_the_top_commands_are_runnable_configs():

@@ -54,6 +54,15 @@ def test_communication_bound_layers_cost_their_collectives():
     assert got["forward"] == pytest.approx(2 * gather) and got["backward"] == pytest.approx(4 * gather)
 
 
+def test_fldp_plans_efficiencies_are_the_fit_to_all_four_rows_of_table_4():
+    from analysis.steptime_fit import LAYOUTS, fit, table4, workload
+    from fldp.steptime import TABLE4_FIT
+
+    found = fit(workload(), table4(), list(LAYOUTS))
+    for name in ("compute", "network", "span"):
+        assert getattr(TABLE4_FIT, name) == pytest.approx(float(getattr(found, name)), abs=1e-3), name
+
+
 def test_the_fit_beside_table_4_predicts_every_row():
     from analysis.steptime_fit import LAYOUTS, rows
 
