@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from .errors import ConfigError, Interrupted, WorkerError
+from .errors import ConfigError, Interrupted, WorkerError, parsed_or_exit, tool_arguments
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 DEFAULT_SIZES = tuple(4096 * 4**k for k in range(7))  # 4 KiB .. 16 MiB, x4
@@ -513,18 +513,15 @@ def _submit(cfg, settings: Settings, out: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] in (["-h"], ["--help"]):
-        print(__doc__)
+    args = tool_arguments(argv, __doc__)
+    if args is None:
         return
-    from hydra.errors import HydraException
 
-    try:
-        settings, overrides = settings_of(argv)
-        cfg = compose(overrides)
-    except (ConfigError, HydraException) as e:  # before any worker starts
-        print(f"fldp-calibrate: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    def parse():
+        settings, overrides = settings_of(args)
+        return settings, compose(overrides)
+
+    settings, cfg = parsed_or_exit("fldp-calibrate", parse)
     out = settings.out or default_out()
     start = time.monotonic()
     try:

@@ -31,3 +31,28 @@ class Interrupted(KeyboardInterrupt):
     @property
     def exit_code(self) -> int:
         return 128 + self.signum  # the shell's convention for a command a signal ended
+
+
+def tool_arguments(argv: list[str] | None, doc: str | None) -> list[str] | None:
+    """A tool's command line (sys.argv's by default); None, with `doc` printed, for -h / --help."""
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] in (["-h"], ["--help"]):
+        print(doc)
+        return None
+    return args
+
+
+def parsed_or_exit(tool: str, parse):
+    """parse(): a tool's reading of its command line; bad input (a ConfigError, or Hydra's own)
+    ends the tool with its message and exit 2, before any worker starts."""
+    import sys
+
+    from hydra.errors import HydraException
+
+    try:
+        return parse()
+    except (ConfigError, HydraException) as e:
+        print(f"{tool}: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

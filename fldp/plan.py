@@ -19,7 +19,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass
 
-from .errors import ConfigError
+from .errors import ConfigError, parsed_or_exit, tool_arguments
 from .mesh import MeshShape
 
 BY_DIMS = {(False, False): "fsdp", (False, True): "hsdp", (True, False): "fl_fsdp", (True, True): "fl_hsdp"}
@@ -203,18 +203,15 @@ def _options(argv: list[str]) -> tuple[list[int], int, bool, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] in (["-h"], ["--help"]):
-        print(__doc__)
+    args = tool_arguments(argv, __doc__)
+    if args is None:
         return
-    from hydra.errors import HydraException
 
-    try:
-        everies, top, as_json, overrides = _options(argv)
-        configs = compose(overrides)
-    except (ConfigError, HydraException) as e:
-        print(f"fldp-plan: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    def parse():
+        everies, top, as_json, overrides = _options(args)
+        return everies, top, as_json, overrides, compose(overrides)
+
+    everies, top, as_json, overrides, configs = parsed_or_exit("fldp-plan", parse)
     found = candidates(configs, everies)
     fitting, dropped = ranked(found)
     if as_json:
