@@ -174,7 +174,7 @@ class StreamingSettings:
 class FedAvgSection:
     """algorithm.fedavg: how the shards are exchanged."""
 
-    bucket_mb: float = setting(Num(gt=0), "FedAvg coalesces local shards into buckets of at most this size (MB)", 25)
+    bucket_mb: float = setting(Num(gt=0), "FedAvg coalesces local shards into buckets of at most this size (MB)", 25.0)
     mode: str = setting(
         Choice(*MODES, optional=True),
         "leader_broadcast: replica 0 of each group averages, then broadcasts (the paper's Eq. 5); "

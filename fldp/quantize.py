@@ -50,11 +50,6 @@ class Quantizer:
                 "(elements per scale; int4 packs two per byte)"
             )
 
-    @classmethod
-    def of(cls, outer) -> Quantizer | None:
-        """From an OuterConfig; None without quantisation."""
-        return cls(outer.quantize, outer.quantize_block) if outer.quantize else None
-
     # A codec's interface, all its callers use (the trainer's transport, the simulator, FedAvg's
     # buckets, the cost model): chunk, wire_bytes, mean, all_reduce_mean, residual.
 

@@ -137,7 +137,7 @@ def test_shell_completion(installed, tmp_path):
 
 
 # import name -> distribution name, where they differ
-DISTRIBUTIONS = {"PIL": "pillow", "hydra": "hydra-core", "torchft": "torchft-nightly"}
+DISTRIBUTIONS = {"PIL": "pillow", "hydra": "hydra-core", "torchft": "torchft-nightly", "yaml": "pyyaml"}
 
 
 def _normal(name: str) -> str:
