@@ -7,11 +7,12 @@
 #   hsdp    HSDP on one seed at FSDP's lr: the same computation as FSDP (bit-identical records)
 #   pilot   each arm at its chosen lr on seeds 200-204: the paired SDs that set the judging seeds N
 #   judge   each arm at its chosen lr, and at the shared lr (FSDP's) where that differs, seeds 0..N-1
-# then OUT/report/ (python -m analysis.paper_shape). Run again with the same OUT: finished points are
-# skipped (trainer.skip_finished). --until PHASE stops after that phase (say, tune and pilot today,
-# judge another day). --allow-mixed lets the analysis take runs made at several commits (a study run
-# over days; it names them). --reduced (CI, ~3 min idle): 4 steps, lr 1e-2 and 3e-2, one tuning seed, pilot on 2
-# seeds, N = 2; it checks the pipeline, its numbers judge nothing.
+# then OUT/report/ (python -m analysis.paper_shape; losses.csv.gz: every run's loss at every step).
+# Run again with the same OUT: finished points are skipped (trainer.skip_finished). --until PHASE
+# stops after that phase (say, tune and pilot today, judge another day). --allow-mixed lets the
+# analysis take runs made at several commits (a study run over days; it names them). --reduced
+# (CI, ~3 min idle): 4 steps, lr 1e-2 and 3e-2, one tuning seed, pilot on 2 seeds, N = 2; it checks
+# the pipeline, its numbers judge nothing.
 set -uo pipefail
 OUT=
 REDUCED=0
