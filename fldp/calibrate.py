@@ -571,7 +571,7 @@ def print_profile(prof: dict, out: str, took_s: float) -> None:
         for i in range(len(tier["sizes"])):
             table.add_row(str(tier["measured"][KINDS[0]][i][0]), *[f"{tier['measured'][k][i][1]:.4g}" for k in KINDS])
         console.print(table)
-    console.print(f"profile: {out} (use it with topology.profile={out})")
+    console.print(f"profile: {out} (use it with +topology.profile={out})")
 
 
 if __name__ == "__main__":
