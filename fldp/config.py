@@ -368,6 +368,13 @@ class ClusterConfig:
     threads: int | None = setting(
         Int(ge=1, null=True, when=SIMULATE), "cluster=simulate: torch CPU threads; null: torch's default"
     )
+    reductions: str = setting(
+        Choice("once", "ring", optional=True, when=SIMULATE),
+        "cluster=simulate: once: a group's gradient from its whole batch, each reduction one torch.sum "
+        "(rounded once); ring: each rank's gradient, each reduction summed along gloo's ring in the "
+        "parameters' dtype, rounded at every hop (fldp/ring.py)",
+        "once",
+    )
     launcher: str = setting(Choice("slurm", "local", optional=True), "slurm: submit one job; local: fork here", "local")
     dry_run: bool = setting(Bool(**SLURM), "print the job that would be submitted and the mesh; submit nothing")
     wait: bool = setting(Bool(**SLURM), "follow the job to its end; false: return once queued")

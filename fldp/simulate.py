@@ -14,7 +14,9 @@ aggregation rule (FedAvgConfig.due), the aggregation itself (fldp.stacked: the t
 cut as its ranks hold them, and their arithmetic, fldp.buckets.Bucket), the records
 (fldp.records.Recorder) and summary.json (trainer.run_summary). AdamW is elementwise, so one AdamW over the stacked parameters is F AdamWs.
 What differs is only floating-point order: the collectives sum in another order than torch.sum
-(fp32: agreement within 1e-5, tested; in bf16 the collective rounds at every hop, the simulator once).
+(fp32: agreement within 1e-5, tested). In bf16 a collective rounds at every hop and this sum once;
+cluster.reductions=ring computes each rank's gradient and sums each reduction along gloo's ring
+(fldp/ring.py): the trainer's bf16 parameters to the bit (tests/test_ring.py).
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ from .config import OptimizerConfig, typed
 from .data import Blocks, WorldBatches
 from .errors import ConfigError
 from .mesh import mesh_shape
-from .model import DTYPES, build_model, init_weights, llama_config
+from .model import DTYPES, build_model, fsdp_unit, init_weights, llama_config
 from .records import PHASES, Recorder
+from .ring import fsdp_unit_mean
 from .stacked import StackedFedAvg
 from .streaming import Exchange
 from .trainer import (
@@ -105,7 +108,10 @@ class Simulation:
         self.fedavg = FedAvgConfig.from_algorithm(cfg.algorithm)
         self.clip_norm = cfg.optimizer.get("clip_norm")
         # the trainer's buckets and their arithmetic, for the groups stacked (fldp.stacked)
-        self.federation = StackedFedAvg(self.fedavg, self.groups.by_name(), shape.shard) if self.fedavg else None
+        # cluster.reductions=ring: each rank's gradient, every reduction summed along the ring (fldp/ring.py)
+        self.ring = cfg.cluster.get("reductions", "once") == "ring"
+        groups = self.groups.by_name()
+        self.federation = StackedFedAvg(self.fedavg, groups, shape.shard, self.ring) if self.fedavg else None
         self.federated = self.federation.federated if self.federation else []
         # parameters left out of algorithm.federate stay local: the groups never hold one model
         self.partial = self.fedavg is not None and len(self.federated) < len(self.groups.names)
@@ -117,6 +123,27 @@ class Simulation:
     def losses(self, params: dict, x: torch.Tensor) -> torch.Tensor:
         """Each group's mean loss on its own sequences: params [F, ...], x [F, B, T] -> [F]."""
         return vmap(self._loss)(params, x)
+
+    def ring_gradients(self, x: torch.Tensor) -> torch.Tensor:
+        """cluster.reductions=ring: each rank's gradient of its own mean loss (x [F, R*S*batch, T],
+        rank r * S + s of group g at [g, r * S + s]), reduced as FSDP2 reduces them, per unit
+        (fldp.ring.fsdp_unit_mean), into the groups' .grad. Returns every rank's loss [F, R*S]."""
+        shape, groups = self.shape, self.groups.by_name()
+        ranks = x.reshape(shape.federation, shape.replicate * shape.shard, -1, x.shape[-1])
+        copies = shape.replicate * shape.shard
+        # each rank its own leaf copy, so that autograd leaves each rank's gradient apart (torch.func.grad
+        # would differentiate attention through its math decomposition: 65% of q_proj's bf16 gradient
+        # differed from the trainer's backward, measured)
+        params = {n: p.detach().unsqueeze(1).repeat_interleave(copies, 1).requires_grad_() for n, p in groups.items()}
+        losses = vmap(vmap(self._loss))(params, ranks)
+        losses.sum().backward()
+        grads = {n: cast(torch.Tensor, p.grad) for n, p in params.items()}
+        for unit in sorted({fsdp_unit(n) for n in groups}):
+            names = [n for n in groups if fsdp_unit(n) == unit]
+            reduced = fsdp_unit_mean([grads[n] for n in names], shape.replicate, shape.shard)
+            for name, grad in zip(names, reduced):
+                groups[name].grad = grad
+        return losses
 
     def batches(self):
         """Every step, each group's sequences [F, R*S*batch, T]: the batches of its ranks as each
@@ -188,7 +215,7 @@ class Simulation:
     def train_row(self, step: int, losses: torch.Tensor, lr: float, tokens: int, timer, due: Exchange) -> dict:
         """A step's record, as the trainer's."""
         times, step_time = timer.times, timer.total()
-        mean_loss = losses.mean().item()  # every group has R*S ranks: the mean over ranks
+        mean_loss = losses.mean().item()  # every group has R*S ranks: the mean over ranks (ring: [F, R*S])
         if not math.isfinite(mean_loss):
             raise FloatingPointError(f"non-finite loss ({mean_loss}) at step {step}: stopping")
         row = {
@@ -216,9 +243,13 @@ class Simulation:
             timer.start()
             x = next(batches)
             lr = self.scheduler.get_last_lr()[0]
-            losses = self.losses(self.groups.by_name(), x)
-            timer.lap("forward")
-            losses.sum().backward()  # group g's parameters get the gradient of group g's loss alone
+            if self.ring:  # forward and backward in one call: the time is the backward's
+                timer.lap("forward")
+                losses = self.ring_gradients(x).double()
+            else:
+                losses = self.losses(self.groups.by_name(), x)
+                timer.lap("forward")
+                losses.sum().backward()  # group g's parameters get the gradient of group g's loss alone
             timer.lap("backward")
             norms = clip_groups(list(self.groups.stacked), self.clip_norm) if self.clip_norm is not None else None
             self.optimizer.step()

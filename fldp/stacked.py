@@ -23,6 +23,7 @@ from .aggregation import FedAvgConfig, bucket_indices
 from .buckets import Bucket
 from .outer import OuterState
 from .quantize import Quantizer, codec_of
+from .ring import ring_mean
 from .streaming import Exchange
 
 
@@ -36,8 +37,10 @@ def shard_rows(rows: int, shards: int, index: int) -> tuple[int, int]:
 class StackedBucket(Bucket):
     """A bucket of every group at once: its shards are group 0's, `rows` each shard's (name, lo, hi)."""
 
-    def __init__(self, stacked: dict[str, torch.Tensor], rows: list[tuple[str, int, int]], fragment: int, dtype):
-        self.stacked, self.rows = stacked, rows
+    def __init__(
+        self, stacked: dict[str, torch.Tensor], rows: list[tuple[str, int, int]], fragment: int, dtype, ring=False
+    ):
+        self.stacked, self.rows, self.ring = stacked, rows, ring  # ring: summed as fldp.ring.ring_mean
         super().__init__([n for n, _, _ in rows], self.of_group(0), fragment, dtype)
         self.residuals: list[torch.Tensor] | None = None  # per group
 
@@ -52,6 +55,8 @@ class StackedBucket(Bucket):
         """What the groups' exchange leaves every group: the mean of the weights, or (quantised) of
         the changes since the base; only a training aggregation (`feedback`) moves the residuals."""
         groups = self.stacked[self.names[0]].shape[0]
+        if quantizer is None and self.ring:  # the federation all-reduce of each rank's flat bucket
+            return ring_mean(torch.cat([t.reshape(groups, -1) for t in self.every_group()], dim=1))
         if quantizer is None:
             return torch.cat([t.sum(dim=0).reshape(-1) for t in self.every_group()]).div_(groups)
         changes = [self.copy_out(self.of_group(g)) for g in range(groups)]
@@ -67,10 +72,11 @@ class StackedBucket(Bucket):
 
 
 class StackedFedAvg:
-    """The simulator's FedAvg: `stacked` holds every parameter of the F groups, `shards` is S."""
+    """The simulator's FedAvg: `stacked` holds every parameter of the F groups, `shards` is S; `ring`:
+    the unquantised mean summed along the federation group's ring (fldp.ring), as the all-reduce."""
 
     @torch.no_grad()
-    def __init__(self, config: FedAvgConfig, stacked: dict[str, torch.Tensor], shards: int):
+    def __init__(self, config: FedAvgConfig, stacked: dict[str, torch.Tensor], shards: int, ring: bool = False):
         self.config, self.stacked = config, stacked
         names = list(stacked)
         self.federated = [n for n, keep in zip(names, config.federated(names)) if keep]
@@ -84,7 +90,7 @@ class StackedFedAvg:
                 rows = [r for r, g in zip(rows, fragment) if g == f and r[2] > r[1]]
                 sizes = [(self._numel(r) * stacked[r[0]].element_size(), stacked[r[0]].dtype) for r in rows]
                 for group in bucket_indices(sizes, int(config.bucket_mb * 2**20)):
-                    self.buckets.append(self._keep(StackedBucket(stacked, [rows[i] for i in group], f, dtype)))
+                    self.buckets.append(self._keep(StackedBucket(stacked, [rows[i] for i in group], f, dtype, ring)))
 
     def _numel(self, row: tuple[str, int, int]) -> int:
         name, lo, hi = row

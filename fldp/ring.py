@@ -1,0 +1,83 @@
+"""A collective's sum as the network does it: element by element along a ring of the group's ranks,
+the running sum rounded to the tensor's dtype at every hop (in bf16 a reduction over 512 ranks rounds
+511 times), not once as torch.sum does.
+
+The order is gloo's, found element by element against its collectives on this torch and checked bit
+for bit in tests/test_ring.py:
+- the buffer of L elements is cut into n chunks of ceil(L / n) elements rounded up to even (the last
+  ones short or empty);
+- chunk c is summed over the group's ranks c - 1, c - 2, ..., c (mod n): its sum ends at rank c;
+- a reduce-scatter is that all-reduce of the whole buffer, each rank keeping its piece (so with an odd
+  piece size the chunks straddle the pieces);
+- an average (ReduceOp.AVG, or SUM and then a division, as fldp.transport) divides the sum once.
+
+NCCL, which the paper ran, also sums each element along a ring of the ranks in the dtype, rounding at
+every hop, but it cuts the buffer by channel, loop and slice, so which rank ends which element's sum
+differs, and between nodes it may run its all-reduce as a tree (NCCL_ALGO), which rounds log2(n)
+times instead of n - 1. This model is gloo's ring, not NCCL's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def chunk_owner(length: int, ranks: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """For each of `length` elements, the rank whose chunk it is (the rank its sum ends at)."""
+    chunk = 2 * math.ceil(math.ceil(length / ranks) / 2)
+    return (torch.arange(length, device=device) // max(chunk, 1)).clamp_(max=ranks - 1)
+
+
+def ring_sum(terms: torch.Tensor) -> torch.Tensor:
+    """terms [..., n, L], rank i's buffer at [..., i, :]: the all-reduce's sum [..., L], each element
+    summed in its chunk's ring order and rounded to terms.dtype after every addition."""
+    ranks, length = terms.shape[-2], terms.shape[-1]
+    if ranks == 1:
+        return terms[..., 0, :].clone()
+    owner = chunk_owner(length, ranks, terms.device)
+    total = None
+    for hop in range(ranks):
+        index = ((owner - 1 - hop) % ranks).expand(*terms.shape[:-2], 1, length)
+        term = terms.gather(-2, index).squeeze(-2)
+        total = term if total is None else total.add_(term)
+    assert total is not None
+    return total
+
+
+def ring_mean(terms: torch.Tensor) -> torch.Tensor:
+    """The average over the n ranks of terms [..., n, L]: ring_sum, then one division (AVG)."""
+    total = ring_sum(terms)
+    return total.div_(terms.shape[-2]) if terms.shape[-2] > 1 else total
+
+
+def _padded(grad: torch.Tensor, replicas: int, shards: int) -> torch.Tensor:
+    """A parameter's per-rank gradients [F, R*S, rows, ...] as FSDP2 copies them into its
+    reduce-scatter buffer: dim 0 padded to S pieces of ceil(rows / S) rows, [F, R, source, piece, numel]."""
+    groups, rows = grad.shape[0], grad.shape[2]
+    piece = math.ceil(rows / shards)
+    flat = grad.reshape(groups, replicas, shards, rows, -1)
+    if piece * shards != rows:
+        flat = torch.nn.functional.pad(flat, (0, 0, 0, piece * shards - rows))
+    return flat.reshape(groups, replicas, shards, shards, -1)
+
+
+def fsdp_unit_mean(grads: list[torch.Tensor], replicas: int, shards: int) -> list[torch.Tensor]:
+    """What FSDP2 on gloo leaves of one unit's gradients: grads[i] [F, R*S, *shape] (rank r * S + s
+    of each of F groups) -> [F, *shape], the group's gradient as its ranks hold it, gathered.
+    The reduce-scatter of the unit's buffer over the S shards, then (HSDP) the all-reduce of each
+    shard's piece over the R replicas, both averages in the gradients' dtype (FSDP2's AVG for bf16
+    and fp32 with no reduce_dtype), each summed in ring order (ring_mean)."""
+    buffer = torch.cat([_padded(g, replicas, shards) for g in grads], dim=-1)  # [F, R, source, dest, m]
+    groups, piece = buffer.shape[0], buffer.shape[-1]
+    mine = ring_mean(buffer.reshape(groups, replicas, shards, shards * piece)).view(groups, replicas, shards, piece)
+    mine = ring_mean(mine.transpose(1, 2)) if replicas > 1 else mine[:, 0]  # [F, dest, m]
+    out, offset = [], 0
+    for g in grads:
+        rows, rest = g.shape[2], g.shape[3:]
+        size = math.ceil(rows / shards) * math.prod(rest)
+        whole = mine[..., offset : offset + size].reshape(groups, -1, *rest)[:, :rows]
+        out.append(whole.contiguous())
+        offset += size
+    return out
