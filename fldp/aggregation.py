@@ -39,7 +39,6 @@ from typing import cast
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from .buckets import Bucket, bucket_indices  # noqa: F401  (fldp.cost uses bucket_indices)
 from .config import default_of
@@ -428,6 +427,8 @@ def check_live(model, sources: list[tuple], buckets: list[Bucket]) -> None:
 
 def _local(p) -> torch.Tensor:
     """The DTensor's own local tensor: to_local() of a Parameter returns a fresh view of it."""
+    from torch.distributed.tensor import DTensor  # here: its import (~1 s) was most of fldp-plan's start-up
+
     return p._local_tensor if isinstance(p, DTensor) else p
 
 

@@ -122,6 +122,29 @@ def config_model(cfg) -> tuple:
     return model, model_units(model, DTYPES[cfg.trainer.precision])
 
 
+def config_shapes(cfg) -> tuple:
+    """What config_model gives fldp-plan, from the config alone (no model, no transformers import):
+    the Llama's Shapes, its buffers' bytes and its Units in the run's dtype, as config_model's
+    model has them (tests/test_memory.py compares the two)."""
+    from .memory import Shapes, llama_parameters, rotary_buffers
+    from .model import DTYPES, fsdp_unit
+
+    m = cfg.model
+    vocab = m.vocab_size
+    if not vocab:  # config_model's: the tokenizer's vocabulary
+        from .data import load_tokenizer
+
+        vocab = len(load_tokenizer(str(cfg.dataset.tokenizer)))
+    shapes = Shapes(
+        m.hidden_size, m.intermediate_size, m.num_hidden_layers, m.num_attention_heads, m.num_key_value_heads, vocab
+    )
+    named = llama_parameters(shapes, bool(m.tie_word_embeddings))
+    root = shapes.layers  # model_units' order: decoder layer i is unit i, the root unit last
+    params = tuple((shape, fsdp_unit(n) - 1 if fsdp_unit(n) else root) for n, shape in named)
+    element = torch.empty((), dtype=DTYPES[cfg.trainer.precision]).element_size()
+    return shapes, rotary_buffers(shapes), Units(params=params, element_size=element, names=tuple(n for n, _ in named))
+
+
 def tiers(network, shape: MeshShape) -> dict:
     """Each mesh dimension's tier: the smallest whose block of ranks holds the dimension's groups."""
     extent = {"shard": shape.shard, "replicate": shape.replicate * shape.shard, "federation": shape.world}

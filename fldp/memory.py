@@ -172,6 +172,13 @@ def for_config(cfg, model, units, shape=None) -> Memory:
     """The memory per rank of a composed config's run (rank 0: shard index 0 holds the largest
     shards), on its mesh or on `shape` (fldp.mesh.MeshShape). model: the config's Llama on the meta
     device; units: fldp.cost.model_units of it in the run's dtype."""
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    return for_shapes(cfg, Shapes.of(model.config), buffers, units, shape)
+
+
+def for_shapes(cfg, shapes: Shapes, buffers: int, units, shape=None) -> Memory:
+    """for_config from the model's dimensions and its buffers' bytes, without the model itself
+    (fldp-plan's: fldp.cost.config_shapes)."""
     from .aggregation import FedAvgConfig
 
     shard = shape.shard if shape is not None else cfg.mesh.shard
@@ -183,7 +190,7 @@ def for_config(cfg, model, units, shape=None) -> Memory:
         federated = sum(b for b, k in zip(units.local_shards(shard, 0), keep) if k)
     return predict_memory(
         units,
-        Shapes.of(model.config),
+        shapes,
         shard,
         cfg.trainer.batch_size,
         cfg.dataset.block_size,
@@ -192,5 +199,33 @@ def for_config(cfg, model, units, shape=None) -> Memory:
         outer,
         federated,
         cfg.model.get("activation_checkpointing", default_of("model.activation_checkpointing")),
-        sum(b.numel() * b.element_size() for b in model.buffers()),
+        buffers,
     )
+
+
+def llama_parameters(m: Shapes, tied: bool) -> list[tuple[str, tuple[int, ...]]]:
+    """transformers' LlamaForCausalLM's named_parameters (names and shapes, in order; no biases), from
+    its dimensions alone: fldp-plan needs only these, and building the model means importing
+    transformers (seconds). tests/test_memory.py checks them against the model's."""
+    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    layer: dict[str, tuple[int, ...]] = {
+        "self_attn.q_proj": (q, m.hidden),
+        "self_attn.k_proj": (kv, m.hidden),
+        "self_attn.v_proj": (kv, m.hidden),
+        "self_attn.o_proj": (m.hidden, q),
+        "mlp.gate_proj": (m.intermediate, m.hidden),
+        "mlp.up_proj": (m.intermediate, m.hidden),
+        "mlp.down_proj": (m.hidden, m.intermediate),
+        "input_layernorm": (m.hidden,),
+        "post_attention_layernorm": (m.hidden,),
+    }
+    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (m.vocab, m.hidden))]
+    out += [(f"model.layers.{i}.{k}.weight", v) for i in range(m.layers) for k, v in layer.items()]
+    out.append(("model.norm.weight", (m.hidden,)))
+    return out if tied else [*out, ("lm_head.weight", (m.vocab, m.hidden))]  # tied: the embedding's
+
+
+def rotary_buffers(m: Shapes) -> int:
+    """Bytes of the model's buffers: the rotary embedding's inv_freq and original_inv_freq, fp32,
+    head_dim / 2 each (tests/test_memory.py checks them against the model's)."""
+    return 2 * (m.head_dim // 2) * FP32

@@ -5,19 +5,23 @@ from __future__ import annotations
 
 import functools
 import re
+from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.fsdp import fully_shard
 from torch.utils.checkpoint import checkpoint
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from .init import init_parameters
 from .mesh import ConfigError
+
+if TYPE_CHECKING:  # imported where used: transformers and FSDP2 (DTensor) took most of fldp-plan's start-up
+    from transformers import LlamaConfig, LlamaForCausalLM
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def llama_config(model_cfg, vocab_size: int | None = None) -> LlamaConfig:
+    from transformers import LlamaConfig
+
     vocab = model_cfg.vocab_size or vocab_size
     if vocab is None:
         raise ConfigError("model.vocab_size=null and no tokenizer to take it from")
@@ -44,6 +48,8 @@ def llama_config(model_cfg, vocab_size: int | None = None) -> LlamaConfig:
 
 def build_model(config: LlamaConfig, device: str | torch.device = "cpu") -> LlamaForCausalLM:
     """Random-init Llama. On the meta device nothing is allocated: see `init_weights`."""
+    from transformers import LlamaForCausalLM
+
     with torch.device(device):
         return LlamaForCausalLM(config)
 
@@ -75,6 +81,8 @@ def parallelize(
     backward; True adds one all-gather of the root unit per step.
     activation_checkpointing (model.activation_checkpointing): `full` recomputes each decoder layer's
     forward in its backward instead of keeping what it saved (`checkpoint_layers`)."""
+    from torch.distributed.fsdp import fully_shard
+
     for p in model.parameters():
         p.data = p.data.to(dtype)  # in place, so a tied lm_head stays the embedding's parameter
     if activation_checkpointing == "full":

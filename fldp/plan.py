@@ -79,14 +79,15 @@ def candidates(configs: dict, everies: list[int]) -> list[Candidate]:
     """Each layout of the topology, with each A where it federates."""
     from omegaconf import open_dict
 
-    from .cost import config_model, predict_for
-    from .memory import for_config
-    from .steptime import efficiency_for, hardware_for, phases, workload_for
+    from .cost import config_shapes, predict_for
+    from .memory import for_shapes
+    from .steptime import efficiency_for, hardware_for, phases, workload_of
 
     cfg = configs["fsdp"]
-    model, units = config_model(cfg)
-    work, hw, eff = workload_for(cfg, (model, units)), hardware_for(cfg.topology), efficiency_for(cfg.topology)
+    shapes, buffers, units = config_shapes(cfg)  # from the config: building the model takes seconds
+    work, hw, eff = workload_of(cfg, shapes, units), hardware_for(cfg.topology), efficiency_for(cfg.topology)
     variants: dict = {}  # (algorithm, A): its config, copied once (a copy of a composed config is slow)
+    memories: dict = {}  # (algorithm, A, S): what a layout's memory depends on, computed once
     capacity = cfg.topology.get("memory_gb")
     out = []
     for shape in layouts(cfg.topology.nodes * cfg.topology.procs_per_node):
@@ -99,7 +100,9 @@ def candidates(configs: dict, everies: list[int]) -> list[Candidate]:
                     with open_dict(chosen):
                         chosen.algorithm.every = every
             pred = predict_for(chosen, units, shape.federation > 1, shape)
-            memory = for_config(chosen, model, units, shape)
+            memory = memories.get((name, every, shape.shard))
+            if memory is None:
+                memory = memories[(name, every, shape.shard)] = for_shapes(chosen, shapes, buffers, units, shape)
             fits = memory.peak <= capacity * 1e9 if capacity else None
             why = "" if fits is not False else _why_not(memory, capacity)
             out.append(

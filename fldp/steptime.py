@@ -26,6 +26,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .cost import Units
+    from .memory import Shapes
 
 
 @dataclass(frozen=True)
@@ -120,11 +125,18 @@ def workload_for(cfg, built: tuple | None = None) -> Workload:
     """A composed config's step on one rank: its model's FSDP units in the run's dtype, FLOPs per
     token at its block size, its tokens per rank. built: cost.config_model(cfg), if already made."""
     from .cost import config_model
+    from .memory import Shapes
 
     model, units = built or config_model(cfg)
-    c, seq = model.config, int(cfg.dataset.block_size)
-    params = sum(p.numel() for p in model.parameters())
-    per_token = flops_per_token(params, c.vocab_size * c.hidden_size, c.num_hidden_layers, c.hidden_size, seq)
+    return workload_of(cfg, Shapes.of(model.config), units)
+
+
+def workload_of(cfg, shapes: Shapes, units: Units) -> Workload:
+    """workload_for from the model's dimensions (memory.Shapes) and its Units alone, without the
+    model (fldp-plan's, from cost.config_shapes). The parameters: each once, as model.parameters()."""
+    seq = int(cfg.dataset.block_size)
+    params = sum(math.prod(shape) for shape, _ in units.params)
+    per_token = flops_per_token(params, shapes.vocab * shapes.hidden, shapes.layers, shapes.hidden, seq)
     return Workload(tuple(units.full_bytes()), per_token, int(cfg.trainer.batch_size) * seq, units.element_size)
 
 

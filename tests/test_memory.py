@@ -5,17 +5,20 @@ activation checkpointing."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
 from conftest import compose_cfg, run_world
 
 from fldp.aggregation import FedAvg, FedAvgConfig
-from fldp.cost import model_units
+from fldp.cost import config_model, config_shapes, model_units
 from fldp.data import prepare
-from fldp.memory import Shapes, for_config, layer_activations, rotary_tables
+from fldp.memory import Shapes, for_config, for_shapes, layer_activations, rotary_tables
 from fldp.mesh import MeshShape, build_mesh, group_mesh
 from fldp.model import DTYPES, build_model, llama_config
+from fldp.steptime import workload_for, workload_of
 from fldp.trainer import build_optimizer, sharded_model
 
 # wider layers than tiny_llama's, so that the decoder layers, not the 4,096-token vocabulary, hold
@@ -123,3 +126,31 @@ def test_the_predicted_peak_is_within_10_percent_of_the_tracked(algorithm, preci
     for checkpointing, (got, want) in measured.items():
         assert abs(want / got - 1) <= 0.10, f"{checkpointing}: tracked {got:,}, predicted {want:,}"
     assert measured["full"][0] < measured["none"][0]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model=tiny_llama"],  # its vocabulary from the tokenizer
+        ["model=llama3_1_8b"],
+        ["model=llama3_1_8b", "trainer.precision=bf16"],
+        ["model=tiny_llama", "model.tie_word_embeddings=true", "model.num_key_value_heads=2"],
+    ],
+)
+def test_the_shapes_from_the_config_are_the_models(overrides):
+    """fldp-plan reads the parameters from the config (cost.config_shapes: no model is built): they
+    must be the meta-device model's, name by name in named_parameters' order, with each one's FSDP
+    unit, its buffers' bytes, and what the memory and step-time models make of them."""
+    cfg = compose_cfg(*overrides, "algorithm=fl_hsdp", "topology=local_8")
+    model, units = config_model(cfg)
+    shapes, buffers, found = config_shapes(cfg)
+    assert shapes == Shapes.of(model.config)
+    assert list(zip(found.names, (s for s, _ in found.params))) == [
+        (n, tuple(p.shape)) for n, p in model.named_parameters()
+    ]
+    assert found == units  # shapes, units, names and element size
+    assert buffers == sum(b.numel() * b.element_size() for b in model.buffers())
+    assert sum(math.prod(s) for s, _ in found.params) == sum(p.numel() for p in model.parameters())
+    assert workload_of(cfg, shapes, found) == workload_for(cfg, (model, units))
+    for shape in (MeshShape(2, 2, 2), MeshShape(1, 1, 8), MeshShape(8, 1, 1)):
+        assert for_shapes(cfg, shapes, buffers, found, shape) == for_config(cfg, model, units, shape)

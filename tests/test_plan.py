@@ -63,6 +63,20 @@ def _steps(cfg, rows: list[dict]) -> list[float]:
     ]
 
 
+def test_the_plan_builds_no_model():
+    """Its start-up (issue 31: the paper's table in under 5 s): the parameters from the config
+    (cost.config_shapes, checked against the model in tests/test_memory.py), so neither transformers
+    nor DTensor (seconds of imports) is imported for a model whose vocabulary the config gives."""
+    code = (
+        "import sys; from fldp.plan import candidates, compose; "
+        f"candidates(compose({PAPER!r}), [8]); "
+        "print(sorted(m for m in ('transformers', 'torch.distributed.tensor') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
+
+
 def test_the_fitting_layouts_are_ranked_by_their_predicted_step(plan_json):
     fitting = [r for r in plan_json if r["fits"]]
     steps = _steps(compose_cfg(*PAPER), fitting)
