@@ -23,7 +23,8 @@ COMMON = [
 ]
 ALGORITHMS = {
     "fsdp": ["algorithm=fsdp"],
-    "hsdp": ["algorithm=hsdp"],
+    # hsdp: FSDP's computation here (test_hsdp_is_fsdp_in_the_simulator); in bf16 with
+    # cluster.reductions=ring it is its own, and tests/test_ring.py checks it against the trainer
     "fl_fsdp": ["algorithm=fl_fsdp"],
     "fl_hsdp": ["algorithm=fl_hsdp", "algorithm.fedavg.mode=leader_broadcast"],
     "fl_hsdp_all_replicas": ["algorithm=fl_hsdp", "algorithm.fedavg.mode=all_replicas"],

@@ -728,7 +728,9 @@ def test_a_sweep_skips_its_finished_point_and_its_point_past_the_time_limit_requ
     cluster.max_requeue=8, and a fast one could finish inside it. The job's FedAvg sleeps as over a
     slow link (_requeued_point), so it outlasts the cut limit however fast the machine. No
     assertion on time: pytest's timeout only stops a test that hangs."""
-    run = ["algorithm=fl_fsdp", "trainer.steps=600", "algorithm.every=4", *QUICK, f"dataset.cache_dir={token_cache}"]
+    # 200 steps: the job's length is its FedAvg sleeps (SLEEP_S), not its steps; the two local runs
+    # beside it cost their steps (600 took ~34 s each on an idle 2-core machine)
+    run = ["algorithm=fl_fsdp", "trainer.steps=200", "algorithm.every=4", *QUICK, f"dataset.cache_dir={token_cache}"]
     sweep_dir, local = tmp_path / "sweep", tmp_path / "local"
     train_world(compose_cfg(*run, "topology=local_2", "seed=1"), local)  # uninterrupted
     point = _requeued_point(run, sum(r["bytes_federation"] for r in read_rows(local)))
