@@ -456,6 +456,12 @@ class FsdpConfig:
         "FSDP1 FULL_SHARD (the authors' runs); true: resharded, one more all-gather of it per step",
         False,
     )
+    reduce_dtype: str | None = setting(
+        Choice(*REDUCE_DTYPES, optional=True),
+        "the gradients' reduce-scatter (and HSDP's all-reduce) dtype: null: the parameters' (pure bf16, the "
+        "paper's); fp32: cast up, summed, cast back (FSDP2's MixedPrecisionPolicy.reduce_dtype)",
+        None,
+    )
 
 
 @dataclass(frozen=True)

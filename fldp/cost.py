@@ -303,6 +303,7 @@ def predict(
     reduce_element_size: int | None = None,
     streaming: StreamingConfig | None = None,
     quantizer: Quantizer | None = None,
+    grad_element_size: int | None = None,
 ) -> Prediction:
     """every: an integer A or a schedule (None: no aggregation); steps: the run's length, over which
     the aggregations are amortised (None: the schedule's long-run rate, 1 / its last A); federated:
@@ -310,7 +311,8 @@ def predict(
     FedAvg's all-reduce (None: the parameters'); its broadcast to the replicas carries the new
     weights in the parameters' dtype. streaming: fragments (by units.names) and overlap. quantizer:
     algorithm.outer.quantize, each bucket's change padded to F chunks of whole blocks, sent with its
-    scales in an all-to-all and an all-gather ((F - 1) / F of it each, as a ring all-reduce's halves)."""
+    scales in an all-to-all and an all-gather ((F - 1) / F of it each, as a ring all-reduce's halves).
+    grad_element_size: bytes per element of the gradients' reductions (fsdp.reduce_dtype; None: the parameters')."""
     aggregates = every is not None and shape.federation > 1
     rate = 0.0
     if aggregates:
@@ -323,7 +325,8 @@ def predict(
     if quantizer is not None:  # the paper's variant: no padding
         cast = quantizer.wire_bytes(quantizer.block) / quantizer.block / units.element_size
     pred.paper = _paper_terms(units, shape, bandwidth, keep, cast, rate, mode)
-    gathers = _step_terms(pred, units, shape, reshard_root_after_forward)
+    grad_cast = (grad_element_size or units.element_size) / units.element_size
+    gathers = _step_terms(pred, units, shape, reshard_root_after_forward, grad_cast)
     streaming = streaming or StreamingConfig()
     fragment_weights: list[float] = []  # per fragment, the bytes of its federated local shards on this rank
     fragment_rate: list[float] = []  # per fragment, its aggregations per step
@@ -353,18 +356,21 @@ def _paper_terms(units: Units, shape: MeshShape, bandwidth: dict, keep: list[boo
     }
 
 
-def _step_terms(pred: Prediction, units: Units, shape: MeshShape, reshard_root_after_forward: bool) -> list[int]:
+def _step_terms(
+    pred: Prediction, units: Units, shape: MeshShape, reshard_root_after_forward: bool, grad_cast: float = 1.0
+) -> list[int]:
     """Every step's bytes and collectives: FSDP2 units, padding; per unit one reduce-scatter and two
     all-gathers (forward, backward), but one for the root unless it reshards after forward (FSDP1's
-    policy). The all-gathers per unit."""
+    policy); the gradients' reductions `grad_cast` times the parameters' bytes (fsdp.reduce_dtype).
+    The all-gathers per unit."""
     R, S, L = shape.replicate, shape.shard, units.L
     padded = units.padded_shard_bytes(S)
     gathers = [2] * (L - 1) + [2 if reshard_root_after_forward else 1]  # the root is the last unit
     if S > 1:
-        pred.step_bytes["shard"] = (S - 1) * sum(b * (g + 1) for b, g in zip(padded, gathers))
+        pred.step_bytes["shard"] = (S - 1) * sum(b * (g + grad_cast) for b, g in zip(padded, gathers))
         pred.step_collectives["shard"] = sum(gathers) + L
     if R > 1:
-        pred.step_bytes["replicate"] = 2 * (R - 1) / R * sum(padded)
+        pred.step_bytes["replicate"] = 2 * (R - 1) / R * sum(padded) * grad_cast
         pred.step_collectives["replicate"] = L
     return gathers
 
@@ -508,6 +514,7 @@ def predict_for(
         reduce_element_size=reduce_dtype.itemsize if reduce_dtype else None,
         streaming=StreamingConfig.from_algorithm(cfg.algorithm) if aggregates else None,
         quantizer=quantizer_of(cfg) if aggregates else None,
+        grad_element_size=grad_element_size(cfg),
     )
     pred.capped = tuple(d for d in DIMS if on[d].get("link") == "node")
     pred.flows = {
@@ -515,6 +522,12 @@ def predict_for(
     }
     pred.bandwidth = bandwidth
     return pred
+
+
+def grad_element_size(cfg) -> int | None:
+    """Bytes per element of the gradients' reductions: fsdp.reduce_dtype's, None: the parameters'."""
+    dtype = REDUCE_DTYPES[(cfg.get("fsdp") or {}).get("reduce_dtype")]
+    return dtype.itemsize if dtype is not None else None
 
 
 def quantizer_of(cfg) -> Quantizer | None:

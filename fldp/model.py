@@ -70,6 +70,7 @@ def parallelize(
     dtype: torch.dtype,
     reshard_root_after_forward: bool = False,
     activation_checkpointing: str = "none",
+    reduce_dtype: torch.dtype | None = None,
 ) -> LlamaForCausalLM:
     """FSDP2 on each decoder layer, then the root (embeddings, final norm, lm_head; a tied
     lm_head shares the root's embedding parameter). A 2-D (replicate, shard) mesh makes it HSDP.
@@ -80,8 +81,11 @@ def parallelize(
     default: FSDP1's FULL_SHARD, which the authors ran, keeps the root gathered from forward to
     backward; True adds one all-gather of the root unit per step.
     activation_checkpointing (model.activation_checkpointing): `full` recomputes each decoder layer's
-    forward in its backward instead of keeping what it saved (`checkpoint_layers`)."""
-    from torch.distributed.fsdp import fully_shard
+    forward in its backward instead of keeping what it saved (`checkpoint_layers`).
+    reduce_dtype (fsdp.reduce_dtype): the gradients summed in it, then cast back to `dtype`."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)  # param_dtype None: the parameters' own
 
     for p in model.parameters():
         p.data = p.data.to(dtype)  # in place, so a tied lm_head stays the embedding's parameter
@@ -90,8 +94,8 @@ def parallelize(
     elif activation_checkpointing != "none":
         raise ConfigError(f"model.activation_checkpointing={activation_checkpointing!r}: must be none or full")
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_root_after_forward)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_root_after_forward, mp_policy=policy)
     return model
 
 

@@ -63,13 +63,17 @@ def _padded(grad: torch.Tensor, replicas: int, shards: int) -> torch.Tensor:
     return flat.reshape(groups, replicas, shards, shards, -1)
 
 
-def fsdp_unit_mean(grads: list[torch.Tensor], replicas: int, shards: int) -> list[torch.Tensor]:
+def fsdp_unit_mean(
+    grads: list[torch.Tensor], replicas: int, shards: int, reduce_dtype: torch.dtype | None = None
+) -> list[torch.Tensor]:
     """What FSDP2 on gloo leaves of one unit's gradients: grads[i] [F, R*S, *shape] (rank r * S + s
     of each of F groups) -> [F, *shape], the group's gradient as its ranks hold it, gathered.
     The reduce-scatter of the unit's buffer over the S shards, then (HSDP) the all-reduce of each
     shard's piece over the R replicas, both averages in the gradients' dtype (FSDP2's AVG for bf16
-    and fp32 with no reduce_dtype), each summed in ring order (ring_mean)."""
+    and fp32), each summed in ring order (ring_mean); with `reduce_dtype` (fsdp.reduce_dtype) both
+    in it, the result cast back to the gradients' dtype, as FSDP2's MixedPrecisionPolicy."""
     buffer = torch.cat([_padded(g, replicas, shards) for g in grads], dim=-1)  # [F, R, source, dest, m]
+    buffer = buffer.to(reduce_dtype or buffer.dtype)
     groups, piece = buffer.shape[0], buffer.shape[-1]
     mine = ring_mean(buffer.reshape(groups, replicas, shards, shards * piece)).view(groups, replicas, shards, piece)
     mine = ring_mean(mine.transpose(1, 2)) if replicas > 1 else mine[:, 0]  # [F, dest, m]
@@ -78,6 +82,6 @@ def fsdp_unit_mean(grads: list[torch.Tensor], replicas: int, shards: int) -> lis
         rows, rest = g.shape[2], g.shape[3:]
         size = math.ceil(rows / shards) * math.prod(rest)
         whole = mine[..., offset : offset + size].reshape(groups, -1, *rest)[:, :rows]
-        out.append(whole.contiguous())
+        out.append(whole.to(g.dtype).contiguous())
         offset += size
     return out

@@ -31,7 +31,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from .aggregation import FedAvgConfig, fragment_fields
-from .config import OptimizerConfig, typed
+from .config import OptimizerConfig, default_of, typed
 from .data import Blocks, WorldBatches
 from .errors import ConfigError
 from .mesh import mesh_shape
@@ -110,6 +110,8 @@ class Simulation:
         # the trainer's buckets and their arithmetic, for the groups stacked (fldp.stacked)
         # cluster.reductions=ring: each rank's gradient, every reduction summed along the ring (fldp/ring.py)
         self.ring = cfg.cluster.get("reductions", "once") == "ring"
+        reduce_dtype = cfg.fsdp.get("reduce_dtype", default_of("fsdp.reduce_dtype"))
+        self.reduce_dtype = DTYPES[reduce_dtype] if reduce_dtype else None  # ring only (fldp.train refuses it else)
         groups = self.groups.by_name()
         self.federation = StackedFedAvg(self.fedavg, groups, shape.shard, self.ring) if self.fedavg else None
         self.federated = self.federation.federated if self.federation else []
@@ -140,7 +142,7 @@ class Simulation:
         grads = {n: cast(torch.Tensor, p.grad) for n, p in params.items()}
         for unit in sorted({fsdp_unit(n) for n in groups}):
             names = [n for n in groups if fsdp_unit(n) == unit]
-            reduced = fsdp_unit_mean([grads[n] for n in names], shape.replicate, shape.shard)
+            reduced = fsdp_unit_mean([grads[n] for n in names], shape.replicate, shape.shard, self.reduce_dtype)
             for name, grad in zip(names, reduced):
                 groups[name].grad = grad
         return losses

@@ -19,7 +19,7 @@ from typing import cast
 
 import torch
 
-from .aggregation import FedAvgConfig, bucket_indices
+from .aggregation import REDUCE_DTYPES, FedAvgConfig, bucket_indices
 from .buckets import Bucket
 from .outer import OuterState
 from .quantize import Quantizer, codec_of
@@ -52,15 +52,20 @@ class StackedBucket(Bucket):
         return [self.stacked[n][:, lo:hi] for n, lo, hi in self.rows]
 
     def mean(self, quantizer: Quantizer | None, feedback: bool) -> torch.Tensor:
-        """What the groups' exchange leaves every group: the mean of the weights, or (quantised) of
-        the changes since the base; only a training aggregation (`feedback`) moves the residuals."""
+        """What the groups' exchange leaves every group: the mean of the weights, or (quantised, or
+        cast to reduce_dtype) of the changes since the base; only a training aggregation (`feedback`)
+        moves the residuals. With `ring`, summed in the federation all-reduce's order (fldp.ring)."""
         groups = self.stacked[self.names[0]].shape[0]
-        if quantizer is None and self.ring:  # the federation all-reduce of each rank's flat bucket
-            return ring_mean(torch.cat([t.reshape(groups, -1) for t in self.every_group()], dim=1))
-        if quantizer is None:
+        if quantizer is not None:
+            changes = [self.copy_out(self.of_group(g)) for g in range(groups)]
+            return quantizer.mean(changes, self.residuals if feedback else None)
+        if self.reference is not None:  # a cast to reduce_dtype: each group's change, as pack() takes it
+            flats = torch.stack([self.copy_out(self.of_group(g)) for g in range(groups)])
+        elif self.ring:
+            flats = torch.cat([t.reshape(groups, -1) for t in self.every_group()], dim=1)
+        else:  # the weights summed shard by shard, no [F, numel] copy
             return torch.cat([t.sum(dim=0).reshape(-1) for t in self.every_group()]).div_(groups)
-        changes = [self.copy_out(self.of_group(g)) for g in range(groups)]
-        return quantizer.mean(changes, self.residuals if feedback else None)
+        return ring_mean(flats) if self.ring else flats.sum(dim=0).div_(groups)  # ring: the all-reduce's order
 
     def merge(self, mean: torch.Tensor, alpha: float) -> None:
         """The outer step on the mean, and its new weights into every group, lerp'd with each group's
@@ -81,7 +86,7 @@ class StackedFedAvg:
         names = list(stacked)
         self.federated = [n for n, keep in zip(names, config.federated(names)) if keep]
         self.quantizer = codec_of(config.outer)
-        dtype = torch.float32 if self.quantizer else None  # the simulator refuses a casting reduce_dtype
+        dtype = torch.float32 if self.quantizer else REDUCE_DTYPES[config.outer.reduce_dtype]
         fragment = config.streaming.fragment_of(self.federated)
         self.buckets: list[StackedBucket] = []
         for s in range(shards):
@@ -99,7 +104,7 @@ class StackedFedAvg:
     def _keep(self, bucket: StackedBucket) -> StackedBucket:
         """As FedAvg._keep, from group 0's weights (every group starts with them)."""
         groups = self.stacked[bucket.names[0]].shape[0]
-        if self.quantizer is not None:
+        if self.quantizer is not None or bucket.dtype != bucket.shards[0].dtype:  # FedAvg._sends_change
             bucket.reference = bucket.weights()
         if self.config.outer.error_feedback and self.quantizer is not None:  # error feedback needs one
             bucket.residuals = [

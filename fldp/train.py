@@ -102,11 +102,11 @@ def check_simulation(cfg) -> None:
         )
     if cfg.comm.emulate:
         raise ConfigError("comm.emulate=true: cluster=simulate sends nothing to emulate")
-    reduce_dtype = (cfg.algorithm.get("outer") or {}).get("reduce_dtype")
-    if cfg.algorithm.get("aggregation") and reduce_dtype not in (None, cfg.trainer.precision):
+    reduce_dtype = cfg.fsdp.get("reduce_dtype")
+    if reduce_dtype not in (None, cfg.trainer.precision) and cfg.cluster.get("reductions") != "ring":
         raise ConfigError(
-            f"algorithm.outer.reduce_dtype={reduce_dtype}: cluster=simulate reduces in the "
-            f"parameters' dtype ({cfg.trainer.precision}) only; use null"
+            f"fsdp.reduce_dtype={reduce_dtype}: cluster.reductions=once computes each group's gradient "
+            "from its whole batch, with no reduction to cast; use cluster.reductions=ring"
         )
     if cfg.cluster.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("cluster.device=cuda: no CUDA device here")

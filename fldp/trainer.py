@@ -74,7 +74,15 @@ def sharded_model(cfg, vocab_size: int, mesh, device: torch.device):
     meta = cfg.model.init_device == "meta"
     model = build_model(llama_config(cfg.model, vocab_size), "meta" if meta else device)
     checkpointing = cfg.model.get("activation_checkpointing", default_of("model.activation_checkpointing"))
-    model = parallelize(model, mesh, DTYPES[cfg.trainer.precision], cfg.fsdp.reshard_root_after_forward, checkpointing)
+    reduce_dtype = cfg.fsdp.get("reduce_dtype", default_of("fsdp.reduce_dtype"))
+    model = parallelize(
+        model,
+        mesh,
+        DTYPES[cfg.trainer.precision],
+        cfg.fsdp.reshard_root_after_forward,
+        checkpointing,
+        DTYPES[reduce_dtype] if reduce_dtype else None,
+    )
     init_weights(model, device, cfg.seed)
     return model
 

@@ -20,11 +20,11 @@ LAYOUTS = {
     "local_4": {"fsdp": (1, 1, 4), "hsdp": (1, 2, 2), "fl_fsdp": (2, 1, 2), "fl_hsdp": (2, 2, 1)},
     "local_8": {"fsdp": (1, 1, 8), "hsdp": (1, 2, 4), "fl_fsdp": (2, 1, 4), "fl_hsdp": (2, 2, 2)},
 }
-# one run per algorithm (tests/test_golden.py pins what each computes); a few also cover the other
-# precision and the meta-device init path
+# the command line's path, which no algorithm changes, twice: the other precision and the
+# meta-device init path (each algorithm's layout: the test above; what each computes:
+# tests/test_golden.py; FSDP and HSDP from the command line: tests/test_paper_setting.py's smoke run
+# and the tiny reproduction in CI)
 RUNS = {
-    "fsdp": ("local_4", ["model.init_device=meta"]),
-    "hsdp": ("local_4", ["trainer.precision=bf16"]),
     "fl_fsdp": ("local_2", ["trainer.precision=bf16"]),
     "fl_hsdp": ("local_8", ["model.init_device=meta"]),
 }

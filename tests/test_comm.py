@@ -118,9 +118,16 @@ CASES = [  # (overrides, ...) tiny runs of 3 steps, A=2 unless given: aggregatio
     ["algorithm=fl_fsdp", "topology=local_4", "trainer.steps=6", "algorithm.every=[[0,2],[3,3]]"],
     # only the decoder layers averaged (and broadcast: 2x2x1)
     ["algorithm=fl_hsdp", "topology=local_4", "algorithm.federate=[model\\.layers\\..*]"],
-    # bf16 weights summed in fp32 (twice their bytes), fp32 weights summed in bf16 (half)
-    ["algorithm=fl_hsdp", "topology=local_4", "trainer.precision=bf16", "algorithm.outer.reduce_dtype=fp32"],
-    ["algorithm=fl_fsdp", "topology=local_4", "algorithm.outer.reduce_dtype=bf16"],
+    # bf16 weights summed in fp32 (twice their bytes), fp32 weights summed in bf16 (half); so are the
+    # gradients (fsdp.reduce_dtype): HSDP's all-reduce over 2 replicas, FSDP's reduce-scatter over 2 shards
+    [
+        "algorithm=fl_hsdp",
+        "topology=local_4",
+        "trainer.precision=bf16",
+        "algorithm.outer.reduce_dtype=fp32",
+        "fsdp.reduce_dtype=fp32",
+    ],
+    ["algorithm=fl_fsdp", "topology=local_4", "algorithm.outer.reduce_dtype=bf16", "fsdp.reduce_dtype=bf16"],
     # streaming: 2 fragments, each all-reduced the step before its merge (sent at 1, 3, 5; merged
     # at 2, 4, 6), its new weights broadcast to the replicas at the merge; the last step both
     [

@@ -105,7 +105,7 @@ def test_the_paper_shape_runs_from_the_command_line(tmp_path):
     [
         ("trainer.checkpoint_every=4", "keeps no checkpoints"),
         ("comm.emulate=true", "nothing to emulate"),
-        ("algorithm.outer.reduce_dtype=bf16", "reduces in the parameters' dtype"),
+        ("fsdp.reduce_dtype=bf16", "use cluster.reductions=ring"),  # fp32 runs: once has no reduction to cast
     ],
 )
 def test_what_the_simulator_cannot_do_is_refused(override, words, tmp_path):

@@ -32,7 +32,7 @@ def test_the_run_level_sections_are_composed_from_the_typed_defaults_and_written
         if key.split(".")[0] in RUN_SECTIONS and not isinstance(spec, Section):
             assert _at(composed, key) == config.default_of(key), key
             checked += 1
-    assert checked == 30  # mesh 3, seed, trainer 11, fsdp 1, optimizer 7, comm 3, wandb 4
+    assert checked == 31  # mesh 3, seed, trainer 11, fsdp 2, optimizer 7, comm 3, wandb 4
 
 
 def _at(tree: dict, key: str):
