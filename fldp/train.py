@@ -236,6 +236,9 @@ def run_forked(cfg, run_dir: str, shape) -> dict:
     check_run_dir(cfg, shape, run_dir)
     blocks = checked_blocks(cfg, shape.world)
     from . import trainer  # noqa: F401  (import once here, not in each of the forked workers)
+    from .model import import_forward
+
+    import_forward()
 
     log.info(
         "%s on %s: mesh %s (federation x replicate x shard), %d local workers, records in %s",

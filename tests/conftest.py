@@ -19,6 +19,7 @@ from fldp import netns
 from fldp.data import prepare
 from fldp.launch import run_local
 from fldp.mesh import ConfigError, MeshShape
+from fldp.model import import_forward
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("WANDB_MODE", "disabled")
@@ -59,6 +60,7 @@ def cluster(timeout_s: float = 120):
 
 def run_world(fn, world: int, *args, timeout_s: float = 120) -> None:
     """fn(*args, device) on `world` forked ranks with an initialised gloo process group."""
+    import_forward()  # as fldp.train before it forks
     run_local(fn, args, world, "cpu", cluster(timeout_s))
 
 

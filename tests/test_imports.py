@@ -5,6 +5,9 @@ does not remove it). Read from the source with ast: nothing is imported to check
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
+from collections import Counter
 
 from conftest import ROOT
 
@@ -71,3 +74,26 @@ def test_the_import_graph_is_read_from_the_source():
 def test_imports_point_one_way():
     found = cycles(import_graph())
     assert not found, "import circles:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+def test_forked_workers_do_not_import_the_models_forward_again(tmp_path):
+    """fldp.train imports what the model's forward imports lazily (fldp.model.import_forward)
+        before forking: each worker importing transformers' masks (and torch._dynamo) again cost ~2 s
+        of CPU per worker. Read from `python -X importtime`: each process lists the modules its `import`
+    statements loaded, so a module listed once per worker was imported again by each."""
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "fldp.train", "algorithm=fsdp", "topology=local_4"]
+        + ["trainer.steps=1", "trainer.eval_batches=1", "trainer.progress=false", "wandb.mode=disabled"]
+        + [f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    imports = Counter(
+        line.rsplit("|", 1)[1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")
+    )
+    # the parent lists a few modules twice (circular imports): 4 listings are the 4 workers'
+    again = sorted(m for m, n in imports.items() if n >= 4 and m.startswith(("transformers", "torch._dynamo")))
+    assert not again, again
