@@ -36,14 +36,18 @@ def ring_sum(terms: torch.Tensor) -> torch.Tensor:
     ranks, length = terms.shape[-2], terms.shape[-1]
     if ranks == 1:
         return terms[..., 0, :].clone()
-    owner = chunk_owner(length, ranks, terms.device)
-    total = None
+    chunk = 2 * math.ceil(math.ceil(length / ranks) / 2)
+    # [..., rank, chunk c, its elements]; chunks past the buffer's end are padding, summed and dropped
+    pieces = torch.nn.functional.pad(terms, (0, ranks * chunk - length)).unflatten(-1, (ranks, chunk))
+    total = torch.empty_like(pieces[..., 0, :, :])
     for hop in range(ranks):
-        index = ((owner - 1 - hop) % ranks).expand(*terms.shape[:-2], 1, length)
-        term = terms.gather(-2, index).squeeze(-2)
-        total = term if total is None else total.add_(term)
-    assert total is not None
-    return total
+        # chunk c's term at this hop is rank (c - 1 - hop) mod n's: two diagonals of [rank, chunk],
+        # views (chunks hop+1.. from ranks 0.., chunks ..hop from the wrapped-around ranks)
+        for first, diagonal in ((hop + 1, hop + 1), (0, hop + 1 - ranks)):
+            view = pieces.diagonal(diagonal, dim1=-3, dim2=-2).movedim(-1, -2)
+            target = total[..., first : first + view.shape[-2], :]
+            target.copy_(view) if hop == 0 else target.add_(view)
+    return total.flatten(-2)[..., :length]
 
 
 def ring_mean(terms: torch.Tensor) -> torch.Tensor:

@@ -56,6 +56,7 @@ from .trainer import (
 warnings.filterwarnings("ignore", message=".*not yet implemented the batching rule.*")
 
 EVAL_CHUNK = 256  # held-out sequences per forward pass (bounds the logits' memory)
+RANK_BLOCK = 32  # ranks whose gradients cluster.reductions=ring computes in one batched backward
 
 
 @torch.no_grad()
@@ -87,6 +88,26 @@ class Groups(nn.Module):
 
     def by_name(self) -> dict[str, torch.Tensor]:
         return dict(zip(self.names, self.stacked))
+
+
+def rank_gradients(loss, groups: dict[str, torch.Tensor], ranks: torch.Tensor):
+    """Each rank's gradient of its own loss: `loss(params, x)` batched over groups and ranks,
+    groups' parameters [F, ...], ranks' sequences [F, n, B, T] -> (losses [F, n], {name: [F, n, ...]}).
+    Each rank gets its own leaf copy, so that autograd leaves each rank's gradient apart
+    (torch.func.grad would differentiate attention through its math decomposition: 65% of q_proj's
+    bf16 gradient differed from the trainer's backward, measured). RANK_BLOCK ranks at a time: vmap
+    runs CPU attention rank by rank, and its backward costs the square of the ranks it batches."""
+    losses: list[torch.Tensor] = []
+    blocks: dict[str, list[torch.Tensor]] = {n: [] for n in groups}
+    for block in torch.split(ranks, RANK_BLOCK, dim=1):
+        copies = block.shape[1]
+        params = {n: p.detach().unsqueeze(1).repeat_interleave(copies, 1).requires_grad_() for n, p in groups.items()}
+        block_losses = loss(params, block)
+        block_losses.sum().backward()
+        losses.append(block_losses.detach())
+        for n, p in params.items():
+            blocks[n].append(cast(torch.Tensor, p.grad))
+    return torch.cat(losses, dim=1), {n: torch.cat(g, dim=1) for n, g in blocks.items()}
 
 
 class Simulation:
@@ -132,14 +153,7 @@ class Simulation:
         (fldp.ring.fsdp_unit_mean), into the groups' .grad. Returns every rank's loss [F, R*S]."""
         shape, groups = self.shape, self.groups.by_name()
         ranks = x.reshape(shape.federation, shape.replicate * shape.shard, -1, x.shape[-1])
-        copies = shape.replicate * shape.shard
-        # each rank its own leaf copy, so that autograd leaves each rank's gradient apart (torch.func.grad
-        # would differentiate attention through its math decomposition: 65% of q_proj's bf16 gradient
-        # differed from the trainer's backward, measured)
-        params = {n: p.detach().unsqueeze(1).repeat_interleave(copies, 1).requires_grad_() for n, p in groups.items()}
-        losses = vmap(vmap(self._loss))(params, ranks)
-        losses.sum().backward()
-        grads = {n: cast(torch.Tensor, p.grad) for n, p in params.items()}
+        losses, grads = rank_gradients(vmap(vmap(self._loss)), groups, ranks)
         for unit in sorted({fsdp_unit(n) for n in groups}):
             names = [n for n in groups if fsdp_unit(n) == unit]
             reduced = fsdp_unit_mean([grads[n] for n in names], shape.replicate, shape.shard, self.reduce_dtype)

@@ -92,7 +92,10 @@ def differing(simulation: Simulation, snapshot: Snapshot, step: int) -> list[str
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)
-def test_the_ring_simulator_is_the_bf16_trainer_to_the_bit(name, tmp_path):
+def test_the_ring_simulator_is_the_bf16_trainer_to_the_bit(name, tmp_path, monkeypatch):
+    # the ranks' gradients in blocks of 3 (fldp.simulate.RANK_BLOCK): a group's 8, 4 or 2 ranks span
+    # blocks, as the paper shape's 512 do
+    monkeypatch.setattr("fldp.simulate.RANK_BLOCK", 3)
     cfg = compose_cfg(*ALGORITHMS[name], *COMMON)
     snapshot = Snapshot(tmp_path / "snap", [6], cfg)
     trained = [r["loss"] for r in train_world(cfg, tmp_path / "trainer", on_step=snapshot)]
