@@ -106,7 +106,8 @@ def losses(df: pd.DataFrame, out: Path) -> Path:
     """Every run's training loss at every step, one row each (run, phase, algorithm, lr, seed, step,
     loss): runs.csv keeps one number per run, and the curves cannot be re-derived without rerunning
     the study (issue 33). gzip's mtime fixed at 0: the same runs give the same bytes."""
-    rows = df[["run", "phase", "algorithm", "lr", "seed", "step", "loss"]].explode(["step", "loss"])
+    keys = [c for c in ("run", "phase", "algorithm", "reductions", "lr", "seed") if c in df.columns]
+    rows = df[[*keys, "step", "loss"]].explode(["step", "loss"])
     path = out / LOSSES
     rows.sort_values(["run", "step"], kind="stable").to_csv(
         path, index=False, compression={"method": "gzip", "mtime": 0}
@@ -292,11 +293,14 @@ def verdicts(df: pd.DataFrame, chosen: dict, paper: dict, out: Path) -> list[str
     ]
 
 
-def plan_quote() -> str:
+def plan_quote(plan_path: Path = PLAN) -> str:
     plan = (
-        PLAN.read_text().splitlines() if PLAN.exists() else ["(not found: an installed analysis has no experiments/)"]
+        plan_path.read_text().splitlines()
+        if plan_path.exists()
+        else ["(not found: an installed analysis has no experiments/)"]
     )
-    return "## The plan\n\n(quoted from experiments/paper_shape/PLAN.md)\n\n" + "\n".join("> " + line for line in plan)
+    shown = "/".join(plan_path.parts[-3:])
+    return f"## The plan\n\n(quoted from {shown})\n\n" + "\n".join("> " + line for line in plan)
 
 
 def rejudge(results: Path, paper: dict, command: str) -> Path:
@@ -366,13 +370,13 @@ def report(df: pd.DataFrame, paper: dict, out: Path, command: str, elapsed: floa
     return path
 
 
-def _command(argv: list[str] | None) -> str:
+def report_command(argv: list[str] | None, module: str = "analysis.paper_shape") -> str:
     # paths under the working directory shown relative to it: no machine's absolute path in a report
     shown = [
         os.path.relpath(a) if os.path.isabs(a) and a.startswith(os.getcwd() + os.sep) else a
         for a in (argv if argv is not None else sys.argv[1:])
     ]
-    return "python -m analysis.paper_shape " + shlex.join(shown)
+    return f"python -m {module} " + shlex.join(shown)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -399,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--rejudge RESULTS takes no RUNS, --decide or --out")
         if not (args.rejudge / "runs.csv").is_file():
             parser.error(f"--rejudge: no runs.csv in {args.rejudge}")
-        path = rejudge(args.rejudge, paper_values.load(args.paper), _command(argv))
+        path = rejudge(args.rejudge, paper_values.load(args.paper), report_command(argv))
         print(f"analysis.paper_shape: wrote {path} and {args.rejudge / 'findings.csv'}")
         return 0
     if not args.runs:
@@ -413,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.decide:
         print("\n".join(decide(df, args.seeds, paper)))
         return 0
-    path = report(df, paper, args.out, _command(argv), args.elapsed)
+    path = report(df, paper, args.out, report_command(argv), args.elapsed)
     print(f"analysis.paper_shape: {len(runs)} runs, {len(problems)} skipped; wrote {path}")
     return 1 if args.strict and problems else 0
 
