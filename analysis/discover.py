@@ -120,6 +120,23 @@ def add_allow_mixed(parser) -> None:
     )
 
 
+def study_parser(module: str, doc: str | None) -> argparse.ArgumentParser:
+    """The command line of a pre-registered study's analysis (analysis.paper_shape,
+    analysis.precision): RUNS, --decide [--seeds N] for its runner, or --out DIR for its report."""
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {module}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("runs", nargs="*", metavar="RUNS")
+    parser.add_argument("--decide", action="store_true", help="print the plan's decisions as shell assignments")
+    parser.add_argument("--seeds", type=int, default=None, help="with --decide: the judging seeds, fixed")
+    parser.add_argument("--out", type=Path, help="directory for the report")
+    parser.add_argument("--elapsed", type=float, default=None, help="the study's wall time [s]")
+    parser.add_argument("--paper", default=None, help="paper values (default: analysis/paper_values.json)")
+    parser.add_argument("--strict", action="store_true", help="exit 1 if any run had to be skipped")
+    add_allow_mixed(parser)
+    return parser
+
+
 def add_wandb_filters(parser) -> None:
     """--group, --tag, --job-type, --commit: which runs of a `wandb:ENTITY/PROJECT` to read."""
     group = parser.add_argument_group("runs read from W&B (wandb:ENTITY/PROJECT)")

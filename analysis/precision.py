@@ -13,7 +13,6 @@ report.md, which quotes the plan."""
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
@@ -25,10 +24,9 @@ matplotlib.use("Agg")  # files only
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from . import paper as paper_values  # noqa: E402
-from .discover import add_allow_mixed, collect_for  # noqa: E402
+from .discover import study_parser  # noqa: E402
 from .paper_shape import frame as shape_frame  # noqa: E402
-from .paper_shape import losses, plan_quote, report_command  # noqa: E402
+from .paper_shape import losses, plan_quote, study_main  # noqa: E402
 from .render import markdown  # noqa: E402
 from .science import paper_ratio  # noqa: E402
 from .stats import Claim, explore, judge, paired_ratio, seeds_for  # noqa: E402
@@ -252,30 +250,8 @@ def report(df: pd.DataFrame, paper: dict, out: Path, command: str, elapsed: floa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m analysis.precision", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("runs", nargs="+", metavar="RUNS")
-    parser.add_argument("--decide", action="store_true", help="print the plan's decisions as shell assignments")
-    parser.add_argument("--seeds", type=int, default=None, help="with --decide: the judging seeds, fixed")
-    parser.add_argument("--out", type=Path, help="directory for the report")
-    parser.add_argument("--elapsed", type=float, default=None, help="the study's wall time [s]")
-    parser.add_argument("--paper", default=None, help="paper values (default: analysis/paper_values.json)")
-    parser.add_argument("--strict", action="store_true", help="exit 1 if any run had to be skipped")
-    add_allow_mixed(parser)
-    args = parser.parse_args(argv)
-    if not args.decide and args.out is None:
-        parser.error("--out DIR, or --decide")
-    runs, problems = collect_for("analysis.precision", args.runs, args.allow_mixed)
-    if not runs:
-        return 1
-    df, paper = frame(runs), paper_values.load(args.paper)
-    if args.decide:
-        print("\n".join(decide(df, args.seeds, paper)))
-        return 0
-    path = report(df, paper, args.out, report_command(argv, "analysis.precision"), args.elapsed)
-    print(f"analysis.precision: {len(runs)} runs, {len(problems)} skipped; wrote {path}")
-    return 1 if args.strict and problems else 0
+    parser = study_parser("analysis.precision", __doc__)
+    return study_main("analysis.precision", parser, parser.parse_args(argv), argv, frame, decide, report)
 
 
 if __name__ == "__main__":

@@ -14,31 +14,8 @@
 # (CI, ~3 min idle): 4 steps, lr 1e-2 and 3e-2, one tuning seed, pilot on 2 seeds, N = 2; it checks
 # the pipeline, its numbers judge nothing.
 set -uo pipefail
-OUT=
-REDUCED=0
-UNTIL=judge
-MIXED=
-OVERRIDES=()
-while [ $# -gt 0 ]; do
-    case "$1" in
-        --reduced) REDUCED=1 ;;
-        --allow-mixed) MIXED=--allow-mixed ;;
-        --until) UNTIL=${2:-}; shift
-                 case "$UNTIL" in tune|hsdp|pilot|judge) ;; *) echo "paper_shape.sh: --until tune|hsdp|pilot|judge, not '$UNTIL'" >&2; exit 2 ;; esac ;;
-        -*) echo "paper_shape.sh: unknown option $1 (usage: [OUT] [--reduced] [--until PHASE] [--allow-mixed] [KEY=VALUE...])" >&2; exit 2 ;;
-        *=*) OVERRIDES+=("$1") ;;
-        *) if [ -n "$OUT" ]; then echo "paper_shape.sh: two output directories, $OUT and $1" >&2; exit 2; fi
-           OUT=$1 ;;
-    esac
-    shift
-done
-case "$OUT" in
-    "") ;;
-    /*) ;;
-    *) OUT="$PWD/$OUT" ;;
-esac
-cd "$(dirname "$0")/.."
-OUT=${OUT:-outputs/paper_shape/$(date +%Y-%m-%d_%H-%M-%S)}
+. "$(dirname "$0")/study_args.sh"
+study_args paper_shape "tune|hsdp|pilot|judge" "$@"
 ARMS=(fsdp fl_fsdp fl_hsdp)
 if [ "$REDUCED" = 1 ]; then
     GRID=1e-2,3e-2; TUNE_SEEDS=100; PILOT_SEEDS=200,201; FIXED_N=2; OVERRIDES=(trainer.steps=4 "${OVERRIDES[@]}")
@@ -57,13 +34,7 @@ run() {  # PHASE OVERRIDES...: one multirun into OUT/runs/PHASE
 decide() {  # what the plan's rules make of the runs so far: lr_<arm>=..., extend_<arm>=..., seeds=...
     python -m analysis.paper_shape "$OUT/runs" --decide $MIXED ${FIXED_N:+--seeds $FIXED_N} || exit 1
 }
-finish() {
-    elapsed=$(( $(cat "$OUT/elapsed_s" 2>/dev/null || echo 0) + SECONDS - start ))
-    mkdir -p "$OUT" && echo "$elapsed" > "$OUT/elapsed_s"
-    python -m analysis.paper_shape "$OUT/runs" --out "$OUT/report" --elapsed "$elapsed" --strict $MIXED || status=1
-    echo "paper_shape: $elapsed s of runs; report in $OUT/report/report.md"
-    exit $status
-}
+finish() { study_finish paper_shape; }
 
 run tune "algorithm=$(IFS=,; echo "${ARMS[*]}")" "optimizer.lr=$GRID" "seed=$TUNE_SEEDS"
 eval "$(decide)"

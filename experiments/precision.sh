@@ -13,31 +13,8 @@
 # at 8 ranks (topology=local_4x2), 4 steps, pilot on 2 seeds, N = 2; it checks the pipeline, its
 # numbers judge nothing.
 set -uo pipefail
-OUT=
-REDUCED=0
-UNTIL=judge
-MIXED=
-OVERRIDES=()
-while [ $# -gt 0 ]; do
-    case "$1" in
-        --reduced) REDUCED=1 ;;
-        --allow-mixed) MIXED=--allow-mixed ;;
-        --until) UNTIL=${2:-}; shift
-                 case "$UNTIL" in pilot|judge) ;; *) echo "precision.sh: --until pilot|judge, not '$UNTIL'" >&2; exit 2 ;; esac ;;
-        -*) echo "precision.sh: unknown option $1 (usage: [OUT] [--reduced] [--until PHASE] [--allow-mixed] [KEY=VALUE...])" >&2; exit 2 ;;
-        *=*) OVERRIDES+=("$1") ;;
-        *) if [ -n "$OUT" ]; then echo "precision.sh: two output directories, $OUT and $1" >&2; exit 2; fi
-           OUT=$1 ;;
-    esac
-    shift
-done
-case "$OUT" in
-    "") ;;
-    /*) ;;
-    *) OUT="$PWD/$OUT" ;;
-esac
-cd "$(dirname "$0")/.."
-OUT=${OUT:-outputs/precision/$(date +%Y-%m-%d_%H-%M-%S)}
+. "$(dirname "$0")/study_args.sh"
+study_args precision "pilot|judge" "$@"
 if [ "$REDUCED" = 1 ]; then
     PILOT_SEEDS=200,201; FIXED_N=2; OVERRIDES=(topology=local_4x2 trainer.steps=4 "${OVERRIDES[@]}")
 else
@@ -61,13 +38,7 @@ run() {  # PHASE SEEDS REDUCTIONS: the four algorithms in one reductions arm (Fe
         multirun "$phase" "$seeds" algorithm=fl_fsdp,fl_hsdp fsdp.reduce_dtype=fp32 algorithm.outer.reduce_dtype=fp32
     fi
 }
-finish() {
-    elapsed=$(( $(cat "$OUT/elapsed_s" 2>/dev/null || echo 0) + SECONDS - start ))
-    mkdir -p "$OUT" && echo "$elapsed" > "$OUT/elapsed_s"
-    python -m analysis.precision "$OUT/runs" --out "$OUT/report" --elapsed "$elapsed" --strict $MIXED || status=1
-    echo "precision: $elapsed s of runs; report in $OUT/report/report.md"
-    exit $status
-}
+finish() { study_finish precision; }
 
 for reductions in bf16 fp32r; do run pilot "$PILOT_SEEDS" "$reductions"; done
 [ "$UNTIL" = pilot ] && finish

@@ -32,7 +32,7 @@ import torch
 from .aggregation import REDUCE_DTYPES, bucket_indices, federated_mask
 from .config import default_of
 from .memory import for_config
-from .mesh import DIMS, MeshShape
+from .mesh import DIMS, MeshShape, shard_piece
 from .quantize import Quantizer, codec_of
 from .schedule import aggregation_steps, schedule_of
 from .streaming import StreamingConfig
@@ -79,7 +79,7 @@ class Units:
         """Per unit, the bytes one rank holds (and all-gathers) with FSDP2's dim-0 padding."""
         out = [0] * self.L
         for shape, unit in self.params:
-            out[unit] += math.ceil(shape[0] / S) * math.prod(shape[1:]) * self.element_size
+            out[unit] += shard_piece(shape[0], S) * math.prod(shape[1:]) * self.element_size
         return out
 
     def full_bytes(self) -> list[int]:
@@ -93,7 +93,7 @@ class Units:
         """Bytes of each parameter's unpadded local shard on shard index `index` (FedAvg's input)."""
         out = []
         for shape, _ in self.params:
-            chunk = math.ceil(shape[0] / S)
+            chunk = shard_piece(shape[0], S)
             rows = max(0, min(chunk, shape[0] - index * chunk))
             out.append(rows * math.prod(shape[1:]) * self.element_size)
         return out
@@ -526,7 +526,9 @@ def predict_for(
 
 def grad_element_size(cfg) -> int | None:
     """Bytes per element of the gradients' reductions: fsdp.reduce_dtype's, None: the parameters'."""
-    dtype = REDUCE_DTYPES[(cfg.get("fsdp") or {}).get("reduce_dtype")]
+    from .model import fsdp_reduce_dtype
+
+    dtype = fsdp_reduce_dtype(cfg)
     return dtype.itemsize if dtype is not None else None
 
 

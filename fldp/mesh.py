@@ -37,6 +37,12 @@ class MeshShape:
         return f"{self.federation}x{self.replicate}x{self.shard}"
 
 
+def shard_piece(rows: int, shards: int) -> int:
+    """The rows of dim 0 FSDP2's Shard(0) gives each of `shards` ranks, and pads each shard to in its
+    all-gather and reduce-scatter buffers (the last shards short or empty)."""
+    return -(-rows // shards)
+
+
 def _positive_int(key: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{key}={value!r}: must be an integer >= 1")

@@ -21,6 +21,13 @@ if TYPE_CHECKING:  # imported where used: transformers and FSDP2 (DTensor) took 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+def fsdp_reduce_dtype(cfg) -> torch.dtype | None:
+    """fsdp.reduce_dtype, the dtype FSDP2 reduces the gradients in (None: the gradients' own); the
+    trainer's MixedPrecisionPolicy, the simulator's ring and the cost model's bytes read it here."""
+    name = (cfg.get("fsdp") or {}).get("reduce_dtype")
+    return DTYPES[name] if name else None
+
+
 def llama_config(model_cfg, vocab_size: int | None = None) -> LlamaConfig:
     from transformers import LlamaConfig
 

@@ -23,10 +23,17 @@ import math
 
 import torch
 
+from .mesh import shard_piece
+
+
+def gloo_chunk(length: int, ranks: int) -> int:
+    """The elements of each of gloo's ring chunks: ceil(length / ranks) rounded up to even."""
+    return 2 * math.ceil(math.ceil(length / ranks) / 2)
+
 
 def chunk_owner(length: int, ranks: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """For each of `length` elements, the rank whose chunk it is (the rank its sum ends at)."""
-    chunk = 2 * math.ceil(math.ceil(length / ranks) / 2)
+    chunk = gloo_chunk(length, ranks)
     return (torch.arange(length, device=device) // max(chunk, 1)).clamp_(max=ranks - 1)
 
 
@@ -36,7 +43,7 @@ def ring_sum(terms: torch.Tensor) -> torch.Tensor:
     ranks, length = terms.shape[-2], terms.shape[-1]
     if ranks == 1:
         return terms[..., 0, :].clone()
-    chunk = 2 * math.ceil(math.ceil(length / ranks) / 2)
+    chunk = gloo_chunk(length, ranks)
     # [..., rank, chunk c, its elements]; chunks past the buffer's end are padding, summed and dropped
     pieces = torch.nn.functional.pad(terms, (0, ranks * chunk - length)).unflatten(-1, (ranks, chunk))
     total = torch.empty_like(pieces[..., 0, :, :])
@@ -60,7 +67,7 @@ def _padded(grad: torch.Tensor, replicas: int, shards: int) -> torch.Tensor:
     """A parameter's per-rank gradients [F, R*S, rows, ...] as FSDP2 copies them into its
     reduce-scatter buffer: dim 0 padded to S pieces of ceil(rows / S) rows, [F, R, source, piece, numel]."""
     groups, rows = grad.shape[0], grad.shape[2]
-    piece = math.ceil(rows / shards)
+    piece = shard_piece(rows, shards)
     flat = grad.reshape(groups, replicas, shards, rows, -1)
     if piece * shards != rows:
         flat = torch.nn.functional.pad(flat, (0, 0, 0, piece * shards - rows))
@@ -84,7 +91,7 @@ def fsdp_unit_mean(
     out, offset = [], 0
     for g in grads:
         rows, rest = g.shape[2], g.shape[3:]
-        size = math.ceil(rows / shards) * math.prod(rest)
+        size = shard_piece(rows, shards) * math.prod(rest)
         whole = mine[..., offset : offset + size].reshape(groups, -1, *rest)[:, :rows]
         out.append(whole.to(g.dtype).contiguous())
         offset += size

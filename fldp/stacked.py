@@ -21,6 +21,7 @@ import torch
 
 from .aggregation import REDUCE_DTYPES, FedAvgConfig, bucket_indices
 from .buckets import Bucket
+from .mesh import shard_piece
 from .outer import OuterState
 from .quantize import Quantizer, codec_of
 from .ring import ring_mean
@@ -29,7 +30,7 @@ from .streaming import Exchange
 
 def shard_rows(rows: int, shards: int, index: int) -> tuple[int, int]:
     """The rows [lo, hi) of dim 0 that FSDP2's Shard(0) gives shard `index` of `shards`."""
-    chunk = math.ceil(rows / shards)
+    chunk = shard_piece(rows, shards)
     lo = min(rows, index * chunk)
     return lo, min(rows, lo + chunk)
 

@@ -28,7 +28,7 @@ from .data import Blocks, RankBatches
 from .evaluation import AVERAGE, GROUPS_MEAN, ONE_MODEL, Evaluation  # noqa: F401  (fldp.simulate's, from here)
 from .healing import Healing
 from .mesh import ConfigError, MeshShape, build_mesh, group_mesh, mesh_shape
-from .model import DTYPES, build_model, init_weights, llama_config, parallelize
+from .model import DTYPES, build_model, fsdp_reduce_dtype, init_weights, llama_config, parallelize
 from .netns import summary_fields
 from .provenance import run_fields
 from .records import Recorder
@@ -74,14 +74,13 @@ def sharded_model(cfg, vocab_size: int, mesh, device: torch.device):
     meta = cfg.model.init_device == "meta"
     model = build_model(llama_config(cfg.model, vocab_size), "meta" if meta else device)
     checkpointing = cfg.model.get("activation_checkpointing", default_of("model.activation_checkpointing"))
-    reduce_dtype = cfg.fsdp.get("reduce_dtype", default_of("fsdp.reduce_dtype"))
     model = parallelize(
         model,
         mesh,
         DTYPES[cfg.trainer.precision],
         cfg.fsdp.reshard_root_after_forward,
         checkpointing,
-        DTYPES[reduce_dtype] if reduce_dtype else None,
+        fsdp_reduce_dtype(cfg),
     )
     init_weights(model, device, cfg.seed)
     return model
