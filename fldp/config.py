@@ -375,6 +375,12 @@ class ClusterConfig:
         "parameters' dtype, rounded at every hop (fldp/ring.py)",
         "once",
     )
+    noise_scale_every: int | None = setting(
+        Int(ge=1, null=True, optional=True, when=SIMULATE),
+        "cluster=simulate: the gradient noise scale B_simple at group 0's weights on the step's sequences "
+        "(a rank's batch per part; fldp/noise_scale.py), at step 1 and every this many steps; null: never",
+        None,
+    )
     launcher: str = setting(Choice("slurm", "local", optional=True), "slurm: submit one job; local: fork here", "local")
     dry_run: bool = setting(Bool(**SLURM), "print the job that would be submitted and the mesh; submit nothing")
     wait: bool = setting(Bool(**SLURM), "follow the job to its end; false: return once queued")

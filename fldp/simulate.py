@@ -31,11 +31,12 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from .aggregation import FedAvgConfig, fragment_fields
-from .config import OptimizerConfig, default_of, typed
+from .config import OptimizerConfig, typed
 from .data import Blocks, WorldBatches
 from .errors import ConfigError
 from .mesh import mesh_shape
-from .model import DTYPES, build_model, fsdp_unit, init_weights, llama_config
+from .model import DTYPES, build_model, fsdp_reduce_dtype, fsdp_unit, init_weights, llama_config
+from .noise_scale import estimate
 from .records import PHASES, Recorder
 from .ring import fsdp_unit_mean
 from .stacked import StackedFedAvg
@@ -110,6 +111,17 @@ def rank_gradients(loss, groups: dict[str, torch.Tensor], ranks: torch.Tensor):
     return torch.cat(losses, dim=1), {n: torch.cat(g, dim=1) for n, g in blocks.items()}
 
 
+def noise_fields(cfg, loss, groups: dict[str, torch.Tensor], x: torch.Tensor, step: int) -> dict:
+    """cluster.noise_scale_every: the gradient noise scale at group 0's weights before the step, on
+    every rank's batch of the step x [F, ..., T] (fldp/noise_scale.py), at step 1 and every that many."""
+    every = cfg.cluster.get("noise_scale_every")
+    if not every or (step != 1 and step % every):
+        return {}
+    parts = x.reshape(1, -1, cfg.trainer.batch_size, x.shape[-1])  # [1, world, batch, T]
+    _, grads = rank_gradients(loss, {n: p[:1] for n, p in groups.items()}, parts)
+    return estimate([g[0] for g in grads.values()], cfg.trainer.batch_size)
+
+
 class Simulation:
     """One run: the model, its F stacked groups, the optimiser, and the aggregation."""
 
@@ -131,8 +143,7 @@ class Simulation:
         # the trainer's buckets and their arithmetic, for the groups stacked (fldp.stacked)
         # cluster.reductions=ring: each rank's gradient, every reduction summed along the ring (fldp/ring.py)
         self.ring = cfg.cluster.get("reductions", "once") == "ring"
-        reduce_dtype = cfg.fsdp.get("reduce_dtype", default_of("fsdp.reduce_dtype"))
-        self.reduce_dtype = DTYPES[reduce_dtype] if reduce_dtype else None  # ring only (fldp.train refuses it else)
+        self.reduce_dtype = fsdp_reduce_dtype(cfg)  # ring only (fldp.train refuses it else)
         groups = self.groups.by_name()
         self.federation = StackedFedAvg(self.fedavg, groups, shape.shard, self.ring) if self.fedavg else None
         self.federated = self.federation.federated if self.federation else []
@@ -256,8 +267,9 @@ class Simulation:
         batches, train_time, row = self.batches(), 0.0, {}
         timer = PhaseTimer(self.device)  # the trainer's laps: on CUDA, synchronised at each boundary
         for step in range(1, steps + 1):
-            timer.start()
             x = next(batches)
+            noise = noise_fields(cfg, vmap(vmap(self._loss)), self.groups.by_name(), x, step)  # off the clock
+            timer.start()
             lr = self.scheduler.get_last_lr()[0]
             if self.ring:  # forward and backward in one call: the time is the backward's
                 timer.lap("forward")
@@ -278,7 +290,7 @@ class Simulation:
                 timer.lap("aggregation")
             else:
                 timer.times["aggregation"] = 0.0  # the phase did not run this step
-            row = self.train_row(step, losses, lr, step * tokens_per_step, timer, due)
+            row = self.train_row(step, losses, lr, step * tokens_per_step, timer, due) | noise
             if norms is not None:  # as the trainer's rows: each group's, before clipping
                 row["grad_norm"] = norms.tolist()
             train_time += row["time_step"]
