@@ -14,7 +14,6 @@ report.md, which quotes the plan."""
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import shlex
@@ -30,7 +29,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from . import paper as paper_values  # noqa: E402
-from .discover import add_allow_mixed, collect_for  # noqa: E402
+from .discover import collect_for, study_parser  # noqa: E402
 from .render import markdown  # noqa: E402
 from .science import paper_ratio  # noqa: E402
 from .stats import Claim, Ratio, judge, paired_ratio, seeds_for, size  # noqa: E402
@@ -51,7 +50,7 @@ CLAIMS = (
 )
 HALF_WIDTH, TARGET, MIN_SEEDS = 0.018, 0.02, 10  # the plan: N for +-1.8%, the target +-2%, N >= 10
 MAX_SEEDS = 20  # the plan's amendment 1: at the pilot's SDs the rule asked for 77-668 seeds (results/pilot.csv)
-PHASES = ("tune", "hsdp", "pilot", "judge")
+PHASES = ("tune", "hsdp", "pilot", "judge", "noise16")  # the phases of every pre-registered study's runner
 
 
 def phase_of(name: str) -> str:
@@ -106,7 +105,7 @@ def losses(df: pd.DataFrame, out: Path) -> Path:
     """Every run's training loss at every step, one row each (run, phase, algorithm, lr, seed, step,
     loss): runs.csv keeps one number per run, and the curves cannot be re-derived without rerunning
     the study (issue 33). gzip's mtime fixed at 0: the same runs give the same bytes."""
-    keys = [c for c in ("run", "phase", "algorithm", "reductions", "lr", "seed") if c in df.columns]
+    keys = [c for c in ("run", "phase", "algorithm", "reductions", "block", "lr", "seed") if c in df.columns]
     rows = df[[*keys, "step", "loss"]].explode(["step", "loss"])
     path = out / LOSSES
     rows.sort_values(["run", "step"], kind="stable").to_csv(
@@ -380,23 +379,13 @@ def report_command(argv: list[str] | None, module: str = "analysis.paper_shape")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m analysis.paper_shape", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("runs", nargs="*", metavar="RUNS")
-    parser.add_argument("--decide", action="store_true", help="print the plan's decisions as shell assignments")
-    parser.add_argument("--seeds", type=int, default=None, help="with --decide: the judging seeds, fixed")
-    parser.add_argument("--out", type=Path, help="directory for the report")
-    parser.add_argument("--elapsed", type=float, default=None, help="the study's wall time [s]")
-    parser.add_argument("--paper", default=None, help="paper values (default: analysis/paper_values.json)")
-    parser.add_argument("--strict", action="store_true", help="exit 1 if any run had to be skipped")
+    parser = study_parser("analysis.paper_shape", __doc__)
     parser.add_argument(
         "--rejudge",
         type=Path,
         metavar="RESULTS",
         help="re-derive RESULTS/findings.csv and report.md's verdicts from RESULTS/runs.csv",
     )
-    add_allow_mixed(parser)
     args = parser.parse_args(argv)
     if args.rejudge is not None:
         if args.runs or args.decide or args.out:
@@ -406,19 +395,25 @@ def main(argv: list[str] | None = None) -> int:
         path = rejudge(args.rejudge, paper_values.load(args.paper), report_command(argv))
         print(f"analysis.paper_shape: wrote {path} and {args.rejudge / 'findings.csv'}")
         return 0
+    return study_main("analysis.paper_shape", parser, args, argv, frame, decide, report)
+
+
+def study_main(module: str, parser, args, argv: list[str] | None, frame, decide, report) -> int:
+    """What a pre-registered study's analysis does with study_parser's arguments: the plan's
+    decisions (--decide) or the report (--out), from the study's frame of its runs."""
     if not args.runs:
         parser.error("RUNS: at least one run directory")
     if not args.decide and args.out is None:
         parser.error("--out DIR, or --decide")
-    runs, problems = collect_for("analysis.paper_shape", args.runs, args.allow_mixed)
+    runs, problems = collect_for(module, args.runs, args.allow_mixed)
     if not runs:
         return 1
     df, paper = frame(runs), paper_values.load(args.paper)
     if args.decide:
         print("\n".join(decide(df, args.seeds, paper)))
         return 0
-    path = report(df, paper, args.out, report_command(argv), args.elapsed)
-    print(f"analysis.paper_shape: {len(runs)} runs, {len(problems)} skipped; wrote {path}")
+    path = report(df, paper, args.out, report_command(argv, module), args.elapsed)
+    print(f"{module}: {len(runs)} runs, {len(problems)} skipped; wrote {path}")
     return 1 if args.strict and problems else 0
 
 

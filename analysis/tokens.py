@@ -1,0 +1,227 @@
+"""The tokens study (experiments/tokens/PLAN.md): its report.
+
+    python -m analysis.tokens RUNS --out DIR [--elapsed S] [--strict]
+
+Every run says which phase made it by its directory (RUNS/noise16/..., RUNS/judge/...) and which
+level by its `dataset.block_size`. The 16-token level's verdicts are the paper-shape study's
+(experiments/paper_shape/results/), shown beside; the noise16 phase measures the noise scale there
+and checks that the simulator still computes those runs. The report: runs.csv (with each run's mean
+noise terms), losses.csv.gz, findings.csv (T1-T3 at 32 and 48 tokens, one family), noise.csv (each
+arm's B_simple against its tokens per group step), figure.png and report.md, which quotes the plan."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from .discover import study_parser  # noqa: E402
+from .paper_shape import frame as shape_frame  # noqa: E402
+from .paper_shape import losses, plan_quote, study_main  # noqa: E402
+from .precision import changed  # noqa: E402
+from .render import markdown  # noqa: E402
+from .science import paper_ratio  # noqa: E402
+from .stats import Claim, judge  # noqa: E402
+from .tables import NAMES  # noqa: E402
+
+PLAN = Path(__file__).resolve().parents[1] / "experiments" / "tokens" / "PLAN.md"
+SHAPE_RESULTS = PLAN.parents[1] / "paper_shape" / "results"
+ARMS = ("fsdp", "fl_fsdp", "fl_hsdp")
+LEVELS = (32, 48)  # judged here; 16: the paper-shape study's
+CLAIMS = (
+    ("T1 FL+HSDP reaches a lower perplexity than FSDP", "fsdp", "fl_hsdp"),
+    ("T2 FL+FSDP reaches a lower perplexity than FSDP", "fsdp", "fl_fsdp"),
+    ("T3 FL+HSDP reaches a lower perplexity than FL+FSDP", "fl_fsdp", "fl_hsdp"),
+)
+TARGET = 0.02
+
+
+def frame(runs) -> pd.DataFrame:
+    """paper_shape's one row per run, with its block length, tokens per group step and the means
+    of its noise terms over the measured steps."""
+    df = shape_frame(runs)
+    df.insert(3, "block", [int(run.config.get("dataset.block_size", 0)) for run in runs])
+    df["tokens_per_group_step"] = df["sequences_per_group"] * df["block"]
+    for term in ("noise_trace", "noise_signal"):
+        df[term] = [run.steps[term].mean() if term in run.steps else math.nan for run in runs]
+    return df
+
+
+def arm(df: pd.DataFrame, algorithm: str, block: int) -> pd.Series:
+    sel = df[(df["phase"] == "judge") & (df["algorithm"] == algorithm) & (df["block"] == block)]
+    return sel.drop_duplicates("seed").set_index("seed")["eval_perplexity"]
+
+
+def findings(df: pd.DataFrame, paper: dict) -> pd.DataFrame:
+    """T1-T3 at each judged level, one family (Holm for the direction, Bonferroni for the size)."""
+    claims = [
+        Claim(f"{name} ({block} tokens)", arm(df, num, block), arm(df, den, block), paper_ratio(paper, num, den))
+        for block in LEVELS
+        for name, num, den in CLAIMS
+    ]
+    table = judge(claims)
+    table.insert(1, "block", [block for block in LEVELS for _ in CLAIMS])
+    table["half_width"] = table["hi"] / table["ratio"] - 1
+    return table
+
+
+def beside_16(table: pd.DataFrame) -> pd.DataFrame:
+    """Each claim's direction at 16 tokens (the paper-shape study's primary family) and at 32 and
+    48, and whether it changed (the plan: only where the longer level's direction is decided)."""
+    shape = SHAPE_RESULTS / "findings.csv"
+    if not shape.exists():
+        return pd.DataFrame()
+    then = pd.read_csv(shape)
+    then = then[then["setting"].str.endswith("(primary)")].reset_index(drop=True)
+    rows = []
+    for i, (name, _, _) in enumerate(CLAIMS):
+        row = {"claim": name, "16 tokens": f"{then.loc[i, 'ratio']:.3f} {then.loc[i, 'direction']}"}
+        for block in LEVELS:
+            r = table[(table["block"] == block)].iloc[i]
+            row[f"{block} tokens"] = f"{r['ratio']:.3f} [{r['lo']:.3f}, {r['hi']:.3f}] {r['direction']}"
+            row[f"changed at {block}"] = changed(r["direction"], then.loc[i, "direction"])
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def noise(df: pd.DataFrame) -> pd.DataFrame:
+    """Per arm and level: B_simple = mean trace / mean signal per run, geometric mean over seeds,
+    in sequences and tokens, beside the tokens each group steps on."""
+    measured = df[df["noise_signal"].notna() & (df["noise_signal"] > 0)].copy()
+    measured["b_simple"] = measured["noise_trace"] / measured["noise_signal"]
+    grouped = measured.groupby(["algorithm", "block"])
+    table = grouped.agg(
+        runs=("b_simple", "size"),
+        b_simple_sequences=("b_simple", lambda v: math.exp(v.map(math.log).mean())),
+        tokens_per_group_step=("tokens_per_group_step", "first"),
+    ).reset_index()
+    table["b_simple_tokens"] = table["b_simple_sequences"] * table["block"]
+    table["group_step_over_b_simple"] = table["tokens_per_group_step"] / table["b_simple_tokens"]
+    return table
+
+
+def figure(table: pd.DataFrame, noise_table: pd.DataFrame, out: Path) -> None:
+    """Left: T1-T3 by block length (16: the paper-shape study's, hollow); right: each arm's B_simple
+    in tokens against its tokens per group step (the diagonal: a group batch at B_simple)."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    shape = SHAPE_RESULTS / "findings.csv"
+    then = pd.read_csv(shape) if shape.exists() else pd.DataFrame()
+    for i, (name, num, den) in enumerate(CLAIMS):
+        rows = table.iloc[i :: len(CLAIMS)]
+        label = f"{name.split()[0]} {NAMES.get(num, num)} / {NAMES.get(den, den)}"
+        errors = [rows["ratio"] - rows["lo"], rows["hi"] - rows["ratio"]]
+        left.errorbar(rows["block"] + i, rows["ratio"], yerr=errors, fmt="o", capsize=3, label=label, color=f"C{i}")
+        if not then.empty:
+            r = then[then["setting"].str.endswith("(primary)")].iloc[i]
+            left.errorbar(
+                [16 + i],
+                [r["ratio"]],
+                yerr=[[r["ratio"] - r["lo"]], [r["hi"] - r["ratio"]]],
+                fmt="o",
+                mfc="none",
+                capsize=3,
+                color=f"C{i}",
+            )
+    left.axhline(1.0, color="grey", lw=0.8)
+    left.set_xticks([16, *LEVELS])
+    left.set(
+        yscale="log",
+        xlabel="tokens per sequence (16: the paper-shape study)",
+        ylabel="ratio (simultaneous interval)",
+        title="T1-T3 by block length",
+    )
+    left.legend()
+    for i, a in enumerate(ARMS):
+        rows = noise_table[noise_table["algorithm"] == a]
+        right.plot(rows["tokens_per_group_step"], rows["b_simple_tokens"], "o-", color=f"C{i}", label=NAMES.get(a, a))
+    values = pd.concat([noise_table["tokens_per_group_step"], noise_table["b_simple_tokens"]])
+    lims = [values.min() / 2, values.max() * 2] if len(values) else [1e2, 1e5]
+    right.plot(lims, lims, color="grey", lw=0.8, ls="--")
+    right.set(
+        xscale="log",
+        yscale="log",
+        xlabel="tokens per group step",
+        ylabel="B_simple (tokens)",
+        title="gradient noise scale (dashed: a group batch at B_simple)",
+    )
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(out / "figure.png", dpi=120)
+    plt.close(fig)
+
+
+def sameness(df: pd.DataFrame) -> str:
+    """Whether the noise16 runs end where the paper-shape study's judged runs of their seed did."""
+    shape = SHAPE_RESULTS / "runs.csv"
+    runs = df[df["phase"] == "noise16"]
+    if runs.empty or not shape.exists():
+        return "not checked (no noise16 runs, or no committed paper-shape runs)"
+    then = pd.read_csv(shape)
+    key = ["algorithm", "seed", "F", "R", "S", "steps"]  # the same run: arm, seed, mesh and length
+    then = then[then["phase"] == "judge"].set_index(key)["eval_loss"]
+    gaps = [abs(r["eval_loss"] / then[k] - 1) for _, r in runs.iterrows() if (k := tuple(r[key])) in then.index]
+    return f"{len(gaps)} runs, largest relative eval-loss difference {max(gaps):.1e}" if gaps else "no run in common"
+
+
+def report(df: pd.DataFrame, paper: dict, out: Path, command: str, elapsed: float | None) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    df.drop(columns=["step", "loss"]).sort_values(["phase", "block", "algorithm", "seed"]).to_csv(
+        out / "runs.csv", index=False
+    )
+    losses(df, out)
+    noise_table = noise(df)
+    noise_table.to_csv(out / "noise.csv", index=False)
+    parts = [
+        f"# The tokens study\n\n`{command}`"
+        + (f"; runs took {elapsed / 60:.1f} min" if elapsed else "")
+        + f". {len(df)} runs: one row each in runs.csv, every step's training loss in losses.csv.gz.\n",
+        f"## The 16-token level\n\nThe paper-shape study's judged runs, rerun here on the noise16 seeds: {sameness(df)}.\n",
+        "## Gradient noise scale\n",
+        markdown(noise_table.round(3)),
+        "",
+    ]
+    if (df["phase"] == "judge").any():
+        table = findings(df, paper)
+        table.to_csv(out / "findings.csv", index=False)
+        shown = table.assign(
+            interval=[
+                f"{r:.3f} [{lo:.3f}, {hi:.3f}] at {lv:.4f}"
+                for r, lo, hi, lv in zip(table["ratio"], table["lo"], table["hi"], table["level"])
+            ],
+            target=["met" if w <= TARGET else "MISSED" for w in table["half_width"]],
+            paper=table["paper"].map("{:.2f}".format),
+        )
+        parts += [
+            "## Verdicts (one family of 6: Holm for the direction, Bonferroni intervals)\n",
+            markdown(shown[["claim", "interval", "paper", "direction", "size", "seeds", "target"]]),
+        ]
+        beside = beside_16(table)
+        if not beside.empty:
+            parts += ["\n### Beside the 16-token verdicts (named, not tested)\n", markdown(beside)]
+        figure(table, noise_table, out)
+        parts.append("\n![ratios and noise scale](figure.png)\n")
+    parts.append(plan_quote(PLAN))
+    path = out / "report.md"
+    path.write_text("\n".join(parts) + "\n")
+    return path
+
+
+def decide(df: pd.DataFrame, fixed_seeds: int | None, paper: dict) -> list[str]:
+    """No decision is left to the runs: N is the plan's (experiments/tokens.sh)."""
+    return []
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = study_parser("analysis.tokens", __doc__)
+    return study_main("analysis.tokens", parser, parser.parse_args(argv), argv, frame, decide, report)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
