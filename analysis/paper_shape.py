@@ -266,16 +266,24 @@ VERDICTS_NOTE = (
 )
 
 
+def displayed(table: pd.DataFrame, target: float) -> pd.DataFrame:
+    """judge's table (with `half_width`) as a study's report shows it: each interval with its level,
+    whether its half-width meets the plan's target, the paper's value to 2 decimals (blank: none)."""
+    return table.assign(
+        interval=[
+            f"{r:.3f} [{lo:.3f}, {hi:.3f}] at {lv:.4f}"
+            for r, lo, hi, lv in zip(table["ratio"], table["lo"], table["hi"], table["level"])
+        ],
+        target=["met" if w <= target else "MISSED" for w in table["half_width"]],
+        paper=table["paper"].map(lambda v: "" if math.isnan(v) else f"{v:.2f}"),
+    )
+
+
 def verdicts(df: pd.DataFrame, chosen: dict, paper: dict, out: Path) -> list[str]:
     """The verdicts section of report.md; writes findings.csv."""
     f = findings(df, chosen, paper)
     f.to_csv(out / "findings.csv", index=False)
-    shown = f.assign(
-        interval=[
-            f"{r:.3f} [{lo:.3f}, {hi:.3f}] at {lv:.4f}"
-            for r, lo, hi, lv in zip(f["ratio"], f["lo"], f["hi"], f["level"])
-        ],
-        target=["met" if w <= TARGET else "MISSED" for w in f["half_width"]],
+    shown = displayed(f, TARGET).assign(
         **{"direction at": f["direction_level"].map("{:.4f}".format)},
         paper=[f"{v:.2f}" + ("" if math.isnan(h) else f" (HSDP {h:.2f})") for v, h in zip(f["paper"], f["paper_hsdp"])],
         size=[

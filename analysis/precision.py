@@ -25,8 +25,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from .discover import study_parser  # noqa: E402
+from .paper_shape import displayed, losses, plan_quote, study_main  # noqa: E402
 from .paper_shape import frame as shape_frame  # noqa: E402
-from .paper_shape import losses, plan_quote, study_main  # noqa: E402
 from .render import markdown  # noqa: E402
 from .science import paper_ratio  # noqa: E402
 from .stats import Claim, explore, judge, paired_ratio, seeds_for  # noqa: E402
@@ -204,14 +204,7 @@ def verdicts(df: pd.DataFrame, paper: dict, out: Path) -> list[str]:
     """The verdicts section of report.md; writes findings.csv and figure.png."""
     table = findings(df, paper)
     table.to_csv(out / "findings.csv", index=False)
-    shown = table.assign(
-        interval=[
-            f"{r:.3f} [{lo:.3f}, {hi:.3f}] at {lv:.4f}"
-            for r, lo, hi, lv in zip(table["ratio"], table["lo"], table["hi"], table["level"])
-        ],
-        target=["met" if w <= TARGET else "MISSED" for w in table["half_width"]],
-        paper=table["paper"].map(lambda v: "" if math.isnan(v) else f"{v:.2f}"),
-    )
+    shown = displayed(table, TARGET)
     figure(df, table, out)
     beside = fp32_beside(table)
     return [

@@ -23,8 +23,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from .discover import study_parser  # noqa: E402
+from .paper_shape import displayed, losses, plan_quote, study_main  # noqa: E402
 from .paper_shape import frame as shape_frame  # noqa: E402
-from .paper_shape import losses, plan_quote, study_main  # noqa: E402
 from .precision import changed  # noqa: E402
 from .render import markdown  # noqa: E402
 from .science import paper_ratio  # noqa: E402
@@ -190,14 +190,7 @@ def report(df: pd.DataFrame, paper: dict, out: Path, command: str, elapsed: floa
     if (df["phase"] == "judge").any():
         table = findings(df, paper)
         table.to_csv(out / "findings.csv", index=False)
-        shown = table.assign(
-            interval=[
-                f"{r:.3f} [{lo:.3f}, {hi:.3f}] at {lv:.4f}"
-                for r, lo, hi, lv in zip(table["ratio"], table["lo"], table["hi"], table["level"])
-            ],
-            target=["met" if w <= TARGET else "MISSED" for w in table["half_width"]],
-            paper=table["paper"].map("{:.2f}".format),
-        )
+        shown = displayed(table, TARGET)
         parts += [
             "## Verdicts (one family of 6: Holm for the direction, Bonferroni intervals)\n",
             markdown(shown[["claim", "interval", "paper", "direction", "size", "seeds", "target"]]),
