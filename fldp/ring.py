@@ -31,12 +31,6 @@ def gloo_chunk(length: int, ranks: int) -> int:
     return 2 * math.ceil(math.ceil(length / ranks) / 2)
 
 
-def chunk_owner(length: int, ranks: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """For each of `length` elements, the rank whose chunk it is (the rank its sum ends at)."""
-    chunk = gloo_chunk(length, ranks)
-    return (torch.arange(length, device=device) // max(chunk, 1)).clamp_(max=ranks - 1)
-
-
 def ring_sum(terms: torch.Tensor) -> torch.Tensor:
     """terms [..., n, L], rank i's buffer at [..., i, :]: the all-reduce's sum [..., L], each element
     summed in its chunk's ring order and rounded to terms.dtype after every addition."""
