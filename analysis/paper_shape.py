@@ -36,6 +36,7 @@ from .stats import Claim, Ratio, judge, paired_ratio, seeds_for, size  # noqa: E
 from .tables import NAMES  # noqa: E402
 
 PLAN = Path(__file__).resolve().parents[1] / "experiments" / "paper_shape" / "PLAN.md"
+RESULTS = PLAN.parent / "results"  # the committed report, which the later studies set themselves beside
 ARMS = ("fsdp", "fl_fsdp", "fl_hsdp")
 BASE_GRID = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 # the primary family: (claim, numerator, denominator, the other arm the numerator's runs stand for)
@@ -50,7 +51,8 @@ CLAIMS = (
 )
 HALF_WIDTH, TARGET, MIN_SEEDS = 0.018, 0.02, 10  # the plan: N for +-1.8%, the target +-2%, N >= 10
 MAX_SEEDS = 20  # the plan's amendment 1: at the pilot's SDs the rule asked for 77-668 seeds (results/pilot.csv)
-PHASES = ("tune", "hsdp", "pilot", "judge", "noise16")  # the phases of every pre-registered study's runner
+# the phases of every pre-registered study's runner
+PHASES = ("tune", "hsdp", "pilot", "judge", "noise16", "base", "paper_lr", "clip")
 
 
 def phase_of(name: str) -> str:
@@ -112,6 +114,28 @@ def losses(df: pd.DataFrame, out: Path) -> Path:
         path, index=False, compression={"method": "gzip", "mtime": 0}
     )
     return path
+
+
+def committed(name: str, phase: str | None = None) -> pd.DataFrame:
+    """The committed report's RESULTS/NAME (runs.csv: only `phase`'s rows; findings.csv: only the
+    primary family, in CLAIMS' order), empty where this checkout has none (an installed analysis)."""
+    path = RESULTS / name
+    if not path.exists():
+        return pd.DataFrame()
+    table = pd.read_csv(path)
+    if phase is not None:
+        table = table[table["phase"] == phase]
+    if "setting" in table.columns:
+        table = table[table["setting"].str.endswith("(primary)")]
+    return table.reset_index(drop=True)
+
+
+def changed(now: str, then: str) -> str:
+    """Whether a later study's direction for a claim changes the committed one: only where it is
+    decided (reproduced, opposite or tie; not inconclusive, not too few seeds) and differs."""
+    if now not in ("reproduced", "opposite", "tie"):
+        return f"undecided ({now})"
+    return "yes" if now != then else "no"
 
 
 def geometric_mean(values: pd.Series) -> float:

@@ -25,7 +25,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from .discover import study_parser  # noqa: E402
-from .paper_shape import displayed, losses, plan_quote, study_main  # noqa: E402
+from .paper_shape import changed, committed, displayed, losses, plan_quote, study_main  # noqa: E402
 from .paper_shape import frame as shape_frame  # noqa: E402
 from .render import markdown  # noqa: E402
 from .science import paper_ratio  # noqa: E402
@@ -140,24 +140,12 @@ def findings(df: pd.DataFrame, paper: dict) -> pd.DataFrame:
     return table[["family", *[c for c in table.columns if c != "family"]]]
 
 
-FP32_FINDINGS = PLAN.parents[1] / "paper_shape" / "results" / "findings.csv"
-
-
-def changed(bf16: str, fp32: str) -> str:
-    """The plan: bf16 reverses a verdict only where its direction is decided (not inconclusive,
-    not too few seeds) and differs from fp32's."""
-    if bf16 not in ("reproduced", "opposite", "tie"):
-        return f"undecided ({bf16})"
-    return "yes" if bf16 != fp32 else "no"
-
-
 def fp32_beside(table: pd.DataFrame) -> pd.DataFrame:
     """P1-P3 in bf16 beside the paper-shape study's fp32 intervals (its primary family, committed),
     and whether the direction changed (named, not tested)."""
-    if not FP32_FINDINGS.exists():
+    fp32 = committed("findings.csv")
+    if fp32.empty:
         return pd.DataFrame()
-    fp32 = pd.read_csv(FP32_FINDINGS)
-    fp32 = fp32[fp32["setting"].str.endswith("(primary)")].reset_index(drop=True)
     rows = []
     for (name, _, _), (_, bf16), (_, then) in zip(
         PRIMARY, table[table["family"] == "primary"].iterrows(), fp32.iterrows()

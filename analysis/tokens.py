@@ -23,16 +23,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from .discover import study_parser  # noqa: E402
-from .paper_shape import displayed, losses, plan_quote, study_main  # noqa: E402
+from .paper_shape import changed, committed, displayed, losses, plan_quote, study_main  # noqa: E402
 from .paper_shape import frame as shape_frame  # noqa: E402
-from .precision import changed  # noqa: E402
 from .render import markdown  # noqa: E402
 from .science import paper_ratio  # noqa: E402
 from .stats import Claim, judge  # noqa: E402
 from .tables import NAMES  # noqa: E402
 
 PLAN = Path(__file__).resolve().parents[1] / "experiments" / "tokens" / "PLAN.md"
-SHAPE_RESULTS = PLAN.parents[1] / "paper_shape" / "results"
 ARMS = ("fsdp", "fl_fsdp", "fl_hsdp")
 LEVELS = (32, 48)  # judged here; 16: the paper-shape study's
 CLAIMS = (
@@ -75,11 +73,9 @@ def findings(df: pd.DataFrame, paper: dict) -> pd.DataFrame:
 def beside_16(table: pd.DataFrame) -> pd.DataFrame:
     """Each claim's direction at 16 tokens (the paper-shape study's primary family) and at 32 and
     48, and whether it changed (the plan: only where the longer level's direction is decided)."""
-    shape = SHAPE_RESULTS / "findings.csv"
-    if not shape.exists():
+    then = committed("findings.csv")
+    if then.empty:
         return pd.DataFrame()
-    then = pd.read_csv(shape)
-    then = then[then["setting"].str.endswith("(primary)")].reset_index(drop=True)
     rows = []
     for i, (name, _, _) in enumerate(CLAIMS):
         row = {"claim": name, "16 tokens": f"{then.loc[i, 'ratio']:.3f} {then.loc[i, 'direction']}"}
@@ -111,15 +107,14 @@ def figure(table: pd.DataFrame, noise_table: pd.DataFrame, out: Path) -> None:
     """Left: T1-T3 by block length (16: the paper-shape study's, hollow); right: each arm's B_simple
     in tokens against its tokens per group step (the diagonal: a group batch at B_simple)."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    shape = SHAPE_RESULTS / "findings.csv"
-    then = pd.read_csv(shape) if shape.exists() else pd.DataFrame()
+    then = committed("findings.csv")
     for i, (name, num, den) in enumerate(CLAIMS):
         rows = table.iloc[i :: len(CLAIMS)]
         label = f"{name.split()[0]} {NAMES.get(num, num)} / {NAMES.get(den, den)}"
         errors = [rows["ratio"] - rows["lo"], rows["hi"] - rows["ratio"]]
         left.errorbar(rows["block"] + i, rows["ratio"], yerr=errors, fmt="o", capsize=3, label=label, color=f"C{i}")
         if not then.empty:
-            r = then[then["setting"].str.endswith("(primary)")].iloc[i]
+            r = then.iloc[i]
             left.errorbar(
                 [16 + i],
                 [r["ratio"]],
@@ -159,13 +154,11 @@ def figure(table: pd.DataFrame, noise_table: pd.DataFrame, out: Path) -> None:
 
 def sameness(df: pd.DataFrame) -> str:
     """Whether the noise16 runs end where the paper-shape study's judged runs of their seed did."""
-    shape = SHAPE_RESULTS / "runs.csv"
-    runs = df[df["phase"] == "noise16"]
-    if runs.empty or not shape.exists():
+    runs, then = df[df["phase"] == "noise16"], committed("runs.csv", "judge")
+    if runs.empty or then.empty:
         return "not checked (no noise16 runs, or no committed paper-shape runs)"
-    then = pd.read_csv(shape)
     key = ["algorithm", "seed", "F", "R", "S", "steps"]  # the same run: arm, seed, mesh and length
-    then = then[then["phase"] == "judge"].set_index(key)["eval_loss"]
+    then = then.set_index(key)["eval_loss"]
     gaps = [abs(r["eval_loss"] / then[k] - 1) for _, r in runs.iterrows() if (k := tuple(r[key])) in then.index]
     return f"{len(gaps)} runs, largest relative eval-loss difference {max(gaps):.1e}" if gaps else "no run in common"
 

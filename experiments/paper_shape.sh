@@ -11,14 +11,16 @@
 # Run again with the same OUT: finished points are skipped (trainer.skip_finished). --until PHASE
 # stops after that phase (say, tune and pilot today, judge another day). --allow-mixed lets the
 # analysis take runs made at several commits (a study run over days; it names them). --reduced
-# (CI, ~3 min idle): 4 steps, lr 1e-2 and 3e-2, one tuning seed, pilot on 2 seeds, N = 2; it checks
-# the pipeline, its numbers judge nothing.
+# (CI, ~1 min idle): the paper's mesh relations at 8 ranks (topology=local_4x2), 4 steps, 64 held-out
+# blocks, lr 1e-2 and 3e-2, one tuning seed, pilot on 2 seeds, N = 2; it checks the pipeline, its
+# numbers judge nothing (tests/test_simulate.py runs a 512-rank layout, FL+FSDP 128x1x4).
 set -uo pipefail
 . "$(dirname "$0")/study_args.sh"
 study_args paper_shape "tune|hsdp|pilot|judge" "$@"
 ARMS=(fsdp fl_fsdp fl_hsdp)
 if [ "$REDUCED" = 1 ]; then
-    GRID=1e-2,3e-2; TUNE_SEEDS=100; PILOT_SEEDS=200,201; FIXED_N=2; OVERRIDES=(trainer.steps=4 "${OVERRIDES[@]}")
+    GRID=1e-2,3e-2; TUNE_SEEDS=100; PILOT_SEEDS=200,201; FIXED_N=2
+    OVERRIDES=(topology=local_4x2 trainer.steps=4 dataset.eval_blocks=64 "${OVERRIDES[@]}")
 else
     GRID=1e-3,3e-3,1e-2,3e-2,1e-1; TUNE_SEEDS=100,101; PILOT_SEEDS=200,201,202,203,204; FIXED_N=
 fi

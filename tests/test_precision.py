@@ -4,7 +4,8 @@ analysis.precision applies them; its pipeline end to end is CI's reduced run
 
 import pandas as pd
 
-from analysis.precision import BUDGET_S, changed, judging_seeds
+from analysis.paper_shape import changed
+from analysis.precision import BUDGET_S, judging_seeds
 
 
 def times(bf16_s: float, fp32r_s: float) -> pd.Series:
