@@ -430,6 +430,17 @@ def main(argv: list[str] | None = None) -> int:
     return study_main("analysis.paper_shape", parser, args, argv, frame, decide, report)
 
 
+def no_decisions(df: pd.DataFrame, fixed_seeds: int | None, paper: dict) -> list[str]:
+    """--decide of a study whose seeds its plan fixes: its runner has nothing to ask the runs."""
+    return []
+
+
+def run_study(module: str, doc: str | None, frame, decide, report, argv: list[str] | None = None) -> int:
+    """The command line of a pre-registered study's analysis that has no options of its own."""
+    parser = study_parser(module, doc)
+    return study_main(module, parser, parser.parse_args(argv), argv, frame, decide, report)
+
+
 def study_main(module: str, parser, args, argv: list[str] | None, frame, decide, report) -> int:
     """What a pre-registered study's analysis does with study_parser's arguments: the plan's
     decisions (--decide) or the report (--out), from the study's frame of its runs."""

@@ -24,8 +24,7 @@ matplotlib.use("Agg")  # files only
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from .discover import study_parser  # noqa: E402
-from .paper_shape import changed, committed, displayed, losses, plan_quote, study_main  # noqa: E402
+from .paper_shape import changed, committed, displayed, losses, plan_quote, run_study  # noqa: E402
 from .paper_shape import frame as shape_frame  # noqa: E402
 from .render import markdown  # noqa: E402
 from .science import paper_ratio  # noqa: E402
@@ -231,8 +230,7 @@ def report(df: pd.DataFrame, paper: dict, out: Path, command: str, elapsed: floa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = study_parser("analysis.precision", __doc__)
-    return study_main("analysis.precision", parser, parser.parse_args(argv), argv, frame, decide, report)
+    return run_study("analysis.precision", __doc__, frame, decide, report, argv)
 
 
 if __name__ == "__main__":

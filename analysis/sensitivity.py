@@ -22,8 +22,7 @@ matplotlib.use("Agg")  # files only
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from .discover import study_parser  # noqa: E402
-from .paper_shape import CLAIMS, changed, committed, displayed, losses, plan_quote, stood_for, study_main  # noqa: E402
+from .paper_shape import CLAIMS, changed, committed, displayed, losses, no_decisions, plan_quote, run_study, stood_for  # noqa: E402
 from .paper_shape import frame as shape_frame  # noqa: E402
 from .render import markdown  # noqa: E402
 from .science import paper_ratio  # noqa: E402
@@ -204,14 +203,8 @@ def report(df: pd.DataFrame, paper: dict, out: Path, command: str, elapsed: floa
     return path
 
 
-def decide(df: pd.DataFrame, fixed_seeds: int | None, paper: dict) -> list[str]:
-    """No decision is left to the runs: the seeds are the plan's (experiments/sensitivity.sh)."""
-    return []
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = study_parser("analysis.sensitivity", __doc__)
-    return study_main("analysis.sensitivity", parser, parser.parse_args(argv), argv, frame, decide, report)
+    return run_study("analysis.sensitivity", __doc__, frame, no_decisions, report, argv)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,7 @@ matplotlib.use("Agg")  # files only
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from .discover import study_parser  # noqa: E402
-from .paper_shape import changed, committed, displayed, losses, plan_quote, study_main  # noqa: E402
+from .paper_shape import changed, committed, displayed, losses, no_decisions, plan_quote, run_study  # noqa: E402
 from .paper_shape import frame as shape_frame  # noqa: E402
 from .render import markdown  # noqa: E402
 from .science import paper_ratio  # noqa: E402
@@ -199,14 +198,8 @@ def report(df: pd.DataFrame, paper: dict, out: Path, command: str, elapsed: floa
     return path
 
 
-def decide(df: pd.DataFrame, fixed_seeds: int | None, paper: dict) -> list[str]:
-    """No decision is left to the runs: N is the plan's (experiments/tokens.sh)."""
-    return []
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = study_parser("analysis.tokens", __doc__)
-    return study_main("analysis.tokens", parser, parser.parse_args(argv), argv, frame, decide, report)
+    return run_study("analysis.tokens", __doc__, frame, no_decisions, report, argv)
 
 
 if __name__ == "__main__":
