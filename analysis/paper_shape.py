@@ -52,7 +52,7 @@ CLAIMS = (
 HALF_WIDTH, TARGET, MIN_SEEDS = 0.018, 0.02, 10  # the plan: N for +-1.8%, the target +-2%, N >= 10
 MAX_SEEDS = 20  # the plan's amendment 1: at the pilot's SDs the rule asked for 77-668 seeds (results/pilot.csv)
 # the phases of every pre-registered study's runner
-PHASES = ("tune", "hsdp", "pilot", "judge", "noise16", "base", "paper_lr", "clip")
+PHASES = ("tune", "hsdp", "pilot", "judge", "noise16", "onepass", "base", "paper_lr", "clip")
 
 
 def phase_of(name: str) -> str:

@@ -26,7 +26,7 @@ from .paper_shape import changed, committed, displayed, losses, no_decisions, pl
 from .paper_shape import frame as shape_frame  # noqa: E402
 from .render import markdown  # noqa: E402
 from .science import paper_ratio  # noqa: E402
-from .stats import Claim, judge  # noqa: E402
+from .stats import Claim, explore, judge  # noqa: E402
 from .tables import NAMES  # noqa: E402
 
 PLAN = Path(__file__).resolve().parents[1] / "experiments" / "tokens" / "PLAN.md"
@@ -51,19 +51,29 @@ def frame(runs) -> pd.DataFrame:
     return df
 
 
-def arm(df: pd.DataFrame, algorithm: str, block: int) -> pd.Series:
-    sel = df[(df["phase"] == "judge") & (df["algorithm"] == algorithm) & (df["block"] == block)]
+def arm(df: pd.DataFrame, algorithm: str, block: int, phase: str = "judge") -> pd.Series:
+    sel = df[(df["phase"] == phase) & (df["algorithm"] == algorithm) & (df["block"] == block)]
     return sel.drop_duplicates("seed").set_index("seed")["eval_perplexity"]
 
 
-def findings(df: pd.DataFrame, paper: dict) -> pd.DataFrame:
-    """T1-T3 at each judged level, one family (Holm for the direction, Bonferroni for the size)."""
-    claims = [
-        Claim(f"{name} ({block} tokens)", arm(df, num, block), arm(df, den, block), paper_ratio(paper, num, den))
+def level_claims(df: pd.DataFrame, paper: dict, phase: str) -> list[Claim]:
+    return [
+        Claim(
+            f"{name} ({block} tokens)",
+            arm(df, num, block, phase),
+            arm(df, den, block, phase),
+            paper_ratio(paper, num, den),
+        )
         for block in LEVELS
         for name, num, den in CLAIMS
     ]
-    table = judge(claims)
+
+
+def findings(df: pd.DataFrame, paper: dict, phase: str = "judge") -> pd.DataFrame:
+    """T1-T3 at each judged level, one family (Holm for the direction, Bonferroni for the size);
+    phase "onepass" (the plan's amendment 1): the same ratios at plain 95%, explored, not judged."""
+    claims = level_claims(df, paper, phase)
+    table = judge(claims) if phase == "judge" else explore(claims)
     table.insert(1, "block", [block for block in LEVELS for _ in CLAIMS])
     table["half_width"] = table["hi"] / table["ratio"] - 1
     return table
@@ -91,8 +101,9 @@ def noise(df: pd.DataFrame) -> pd.DataFrame:
     in sequences and tokens, beside the tokens each group steps on."""
     measured = df[df["noise_signal"].notna() & (df["noise_signal"] > 0)].copy()
     measured["b_simple"] = measured["noise_trace"] / measured["noise_signal"]
-    grouped = measured.groupby(["algorithm", "block"])
+    grouped = measured.groupby(["phase", "algorithm", "block"])
     table = grouped.agg(
+        steps=("steps", "first"),
         runs=("b_simple", "size"),
         b_simple_sequences=("b_simple", lambda v: math.exp(v.map(math.log).mean())),
         tokens_per_group_step=("tokens_per_group_step", "first"),
@@ -102,9 +113,10 @@ def noise(df: pd.DataFrame) -> pd.DataFrame:
     return table
 
 
-def figure(table: pd.DataFrame, noise_table: pd.DataFrame, out: Path) -> None:
-    """Left: T1-T3 by block length (16: the paper-shape study's, hollow); right: each arm's B_simple
-    in tokens against its tokens per group step (the diagonal: a group batch at B_simple)."""
+def figure(table: pd.DataFrame, noise_table: pd.DataFrame, out: Path, what: str, phase: str = "judge") -> None:
+    """Left: T1-T3 by block length (16: the paper-shape study's, hollow; `what`: which runs and
+    intervals); right: each arm's B_simple at 16 tokens and in `phase`'s runs in tokens against its tokens per group step (the
+    diagonal: a group batch at B_simple)."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     then = committed("findings.csv")
     for i, (name, num, den) in enumerate(CLAIMS):
@@ -128,12 +140,12 @@ def figure(table: pd.DataFrame, noise_table: pd.DataFrame, out: Path) -> None:
     left.set(
         yscale="log",
         xlabel="tokens per sequence (16: the paper-shape study)",
-        ylabel="ratio (simultaneous interval)",
-        title="T1-T3 by block length",
+        ylabel="ratio (interval)",
+        title=f"T1-T3 by block length ({what})",
     )
     left.legend()
     for i, a in enumerate(ARMS):
-        rows = noise_table[noise_table["algorithm"] == a]
+        rows = noise_table[(noise_table["algorithm"] == a) & noise_table["phase"].isin(["noise16", phase])]
         right.plot(rows["tokens_per_group_step"], rows["b_simple_tokens"], "o-", color=f"C{i}", label=NAMES.get(a, a))
     values = pd.concat([noise_table["tokens_per_group_step"], noise_table["b_simple_tokens"]])
     lims = [values.min() / 2, values.max() * 2] if len(values) else [1e2, 1e5]
@@ -160,6 +172,28 @@ def sameness(df: pd.DataFrame) -> str:
     then = then.set_index(key)["eval_loss"]
     gaps = [abs(r["eval_loss"] / then[k] - 1) for _, r in runs.iterrows() if (k := tuple(r[key])) in then.index]
     return f"{len(gaps)} runs, largest relative eval-loss difference {max(gaps):.1e}" if gaps else "no run in common"
+
+
+ONEPASS_NOTE = (
+    "The plan's amendment 1: these runs trained one pass over the training text at each level (32 steps "
+    "at 32 tokens, 21 at 48; A = 8), not the plan's 64 steps, so they hold the tokens seen fixed and "
+    "confound tokens per step with the number of steps and aggregations. The ratios at plain 95% t "
+    "intervals, explored, not judged; no verdict of the plan is read from them."
+)
+
+
+def onepass(df: pd.DataFrame, paper: dict, noise_table: pd.DataFrame, out: Path) -> list[str]:
+    """The one-pass runs' section (the plan's amendment 1): explored, written to onepass.csv, and
+    the figure's left panel where no judging run exists yet."""
+    table = findings(df, paper, "onepass")
+    table.to_csv(out / "onepass.csv", index=False)
+    shown = displayed(table, TARGET)
+    parts = ["## One pass per level (explored, not judged)\n", ONEPASS_NOTE + "\n"]
+    parts += [markdown(shown[["claim", "interval", "paper", "direction", "seeds"]]), ""]
+    if not (df["phase"] == "judge").any():
+        figure(table, noise_table, out, "one pass (explored), 95% intervals", "onepass")
+        parts.append("![ratios and noise scale](figure.png)\n")
+    return parts
 
 
 def report(df: pd.DataFrame, paper: dict, out: Path, command: str, elapsed: float | None) -> Path:
@@ -190,8 +224,10 @@ def report(df: pd.DataFrame, paper: dict, out: Path, command: str, elapsed: floa
         beside = beside_16(table)
         if not beside.empty:
             parts += ["\n### Beside the 16-token verdicts (named, not tested)\n", markdown(beside)]
-        figure(table, noise_table, out)
+        figure(table, noise_table, out, "64 steps, simultaneous intervals")
         parts.append("\n![ratios and noise scale](figure.png)\n")
+    if (df["phase"] == "onepass").any():
+        parts += onepass(df, paper, noise_table, out)
     parts.append(plan_quote(PLAN))
     path = out / "report.md"
     path.write_text("\n".join(parts) + "\n")
