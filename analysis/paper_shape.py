@@ -130,6 +130,22 @@ def committed(name: str, phase: str | None = None) -> pd.DataFrame:
     return table.reset_index(drop=True)
 
 
+SAME_RUN = ["algorithm", "seed", "steps", "F", "R", "S"]  # a rerun of a run: the same arm, seed, length and mesh
+
+
+def beside_committed(runs: pd.DataFrame, column: str) -> pd.DataFrame:
+    """Each of `runs` beside the committed judging run it reruns (SAME_RUN): its `column`, the
+    committed one (`column`_committed), both commits and the relative difference; empty where
+    none is committed."""
+    then = committed("runs.csv", "judge")
+    if then.empty or runs.empty:
+        return pd.DataFrame()
+    keep = [*SAME_RUN, column, "commit"]
+    both = runs[keep].merge(then[keep], on=SAME_RUN, suffixes=("", "_committed"))
+    both["relative_difference"] = both[column] / both[f"{column}_committed"] - 1
+    return both.sort_values(SAME_RUN).reset_index(drop=True)
+
+
 def changed(now: str, then: str) -> str:
     """Whether a later study's direction for a claim changes the committed one: only where it is
     decided (reproduced, opposite or tie; not inconclusive, not too few seeds) and differs."""

@@ -22,7 +22,18 @@ matplotlib.use("Agg")  # files only
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from .paper_shape import CLAIMS, changed, committed, displayed, losses, no_decisions, plan_quote, run_study, stood_for  # noqa: E402
+from .paper_shape import (
+    CLAIMS,
+    beside_committed,
+    changed,
+    committed,
+    displayed,
+    losses,
+    no_decisions,
+    plan_quote,
+    run_study,
+    stood_for,
+)  # noqa: E402
 from .paper_shape import frame as shape_frame  # noqa: E402
 from .render import markdown  # noqa: E402
 from .science import paper_ratio  # noqa: E402
@@ -118,15 +129,8 @@ def effects(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def rerun(df: pd.DataFrame) -> pd.DataFrame:
-    """Each base run's final eval perplexity against the committed judging run of its arm and seed."""
-    then = committed("runs.csv", "judge")
-    base = df[df["phase"] == "base"][["algorithm", "seed", "steps", "F", "R", "S", "eval_perplexity", "commit"]]
-    if then.empty or base.empty:
-        return pd.DataFrame()
-    key = ["algorithm", "seed", "steps", "F", "R", "S"]  # the same run: arm, seed, length and mesh
-    both = base.merge(then[[*key, "eval_perplexity", "commit"]], on=key, suffixes=("", "_committed"))
-    both["relative_difference"] = both["eval_perplexity"] / both["eval_perplexity_committed"] - 1
-    return both.sort_values(key).reset_index(drop=True)
+    """Each base run's final eval perplexity against the committed judging run it reruns."""
+    return beside_committed(df[df["phase"] == "base"], "eval_perplexity")
 
 
 def rerun_summary(table: pd.DataFrame) -> str:

@@ -22,7 +22,7 @@ matplotlib.use("Agg")  # files only
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from .paper_shape import changed, committed, displayed, losses, no_decisions, plan_quote, run_study  # noqa: E402
+from .paper_shape import beside_committed, changed, committed, displayed, losses, no_decisions, plan_quote, run_study  # noqa: E402
 from .paper_shape import frame as shape_frame  # noqa: E402
 from .render import markdown  # noqa: E402
 from .science import paper_ratio  # noqa: E402
@@ -115,8 +115,8 @@ def noise(df: pd.DataFrame) -> pd.DataFrame:
 
 def figure(table: pd.DataFrame, noise_table: pd.DataFrame, out: Path, what: str, phase: str = "judge") -> None:
     """Left: T1-T3 by block length (16: the paper-shape study's, hollow; `what`: which runs and
-    intervals); right: each arm's B_simple at 16 tokens and in `phase`'s runs in tokens against its tokens per group step (the
-    diagonal: a group batch at B_simple)."""
+    intervals); right: each arm's B_simple in tokens (at 16 tokens and in `phase`'s runs) against
+    its tokens per group step (the diagonal: a group batch at B_simple)."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     then = committed("findings.csv")
     for i, (name, num, den) in enumerate(CLAIMS):
@@ -165,13 +165,10 @@ def figure(table: pd.DataFrame, noise_table: pd.DataFrame, out: Path, what: str,
 
 def sameness(df: pd.DataFrame) -> str:
     """Whether the noise16 runs end where the paper-shape study's judged runs of their seed did."""
-    runs, then = df[df["phase"] == "noise16"], committed("runs.csv", "judge")
-    if runs.empty or then.empty:
-        return "not checked (no noise16 runs, or no committed paper-shape runs)"
-    key = ["algorithm", "seed", "F", "R", "S", "steps"]  # the same run: arm, seed, mesh and length
-    then = then.set_index(key)["eval_loss"]
-    gaps = [abs(r["eval_loss"] / then[k] - 1) for _, r in runs.iterrows() if (k := tuple(r[key])) in then.index]
-    return f"{len(gaps)} runs, largest relative eval-loss difference {max(gaps):.1e}" if gaps else "no run in common"
+    table = beside_committed(df[df["phase"] == "noise16"], "eval_loss")
+    if table.empty:
+        return "not checked (no noise16 run reruns a committed paper-shape judging run)"
+    return f"{len(table)} runs, largest relative eval-loss difference {table['relative_difference'].abs().max():.1e}"
 
 
 ONEPASS_NOTE = (
