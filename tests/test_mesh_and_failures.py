@@ -200,3 +200,21 @@ def test_a_launcher_failing_on_its_own_prints_where_each_worker_is_stuck(capfd):
         signal.signal(signal.SIGALRM, previous)
     err = capfd.readouterr().err
     assert "in _stuck_forever" in err and "thread 0x" in err, err[-3000:]
+
+
+def _report_frozen(out, device):
+    import gc
+
+    out[dist.get_rank()] = gc.get_freeze_count()
+
+
+def test_forked_workers_leave_the_launchers_heap_to_the_permanent_generation():
+    """A worker's garbage collector does not scan (and so copy) the objects it inherited: they are
+    frozen (gc.freeze) when it forks, and the launcher's own are collected again afterwards. Without
+    it, a CI run's 8 memory-tracked workers were all found inside the collector after 600 s."""
+    import gc
+
+    out = torch.multiprocessing.Manager().dict()
+    run_world(_report_frozen, 2, out)
+    assert len(out) == 2 and min(out.values()) > 1000, dict(out)  # the launcher's modules at least
+    assert gc.get_freeze_count() == 0
