@@ -43,8 +43,10 @@ class Hardware:
     nic: float = 50e9  # a node's 2 x dual-port HDR100 = 400 Gbit/s
     hbm: float = 1.6e12  # bytes/s
     gpus_per_node: int = 4
-    latency: float = 10e-6  # seconds per ring step across nodes
-    node_latency: float = 0.0  # seconds per ring step inside a node (NVLink's: neglected)
+    # seconds per ring step across nodes and inside one: NCCL's tuning model (src/graph/tuning.cc,
+    # hwLat of the Simple protocol's ring: NET 9.6 us, NVLink 3.4 us)
+    latency: float = 9.6e-6
+    node_latency: float = 3.4e-6
     # the collectives' library: gloo's reduce-scatter is an all-reduce (docs/netns.md), and its
     # all-reduce a ring at any span (NCCL's tuning picks a tree across nodes)
     backend: str = "nccl"
@@ -84,13 +86,14 @@ class Efficiency:
     compute: float = 0.5  # sustained share of peak FLOPs
     network: float = 0.5  # share of a flow's bandwidth a collective over 1 node pair reaches
     span: float = 0.05  # efficiency ~ nodes^-span
+    latency: float = 1.0  # multiple of the per-step latencies a collective pays (fitted: Table 4)
 
 
 # a calibrated Hardware (from_profile) is already what the machine sustains
-MEASURED = Efficiency(compute=1.0, network=1.0, span=0.0)
+MEASURED = Efficiency(compute=1.0, network=1.0, span=0.0, latency=1.0)
 # the published figures' efficiencies fitted to all four rows of the paper's Table 4 (Leonardo):
 # analysis/steptime_fit.py's "all four" fit, rounded (tests/test_steptime.py re-fits and compares)
-TABLE4_FIT = Efficiency(compute=0.543, network=0.954, span=0.187)
+TABLE4_FIT = Efficiency(compute=0.547, network=0.806, span=0.109, latency=9.298)
 
 
 def efficiency_for(topology) -> Efficiency:
@@ -182,11 +185,11 @@ def dim_link(dim: str, shape, hw: Hardware, eff: Efficiency) -> Link:
     }[dim]
     g = hw.gpus_per_node
     if size <= 1 or size * stride <= g:
-        return Link(hw.nvlink * eff.network, hw.node_latency, 1)
+        return Link(hw.nvlink * eff.network, hw.node_latency * eff.latency, 1)
     flows = min(stride, g)  # the dimension's groups in a node, each crossing it once per ring
     nodes = min(size, math.ceil(size * stride / g))
     # a collective over more nodes reaches less of its link (MiCS): nodes^-span
-    return Link(min(hw.port, hw.nic / flows) * eff.network * nodes ** (-eff.span), hw.latency, nodes)
+    return Link(min(hw.port, hw.nic / flows) * eff.network * nodes ** (-eff.span), hw.latency * eff.latency, nodes)
 
 
 def phases(work: Workload, shape, every: int | None, hw: Hardware, eff: Efficiency) -> dict[str, float]:
