@@ -7,8 +7,9 @@ model (fldp/steptime.py) to use instead of published figures.
   precision, on the run's tokens per rank (trainer.batch_size x dataset.block_size) and the run's
   threads per rank, timed (median after warm-up), as FLOP/s by steptime.flops_per_token's definition
   (backward: twice forward): the whole model and an AdamW step over it where they fit in
-  WHOLE_MODEL_BYTES, else one decoder layer and the head; every rank at once, as in a run (a CPU
-  node's ranks share its cores), the median rank's kept;
+  WHOLE_MODEL_BYTES, else one decoder layer and the head; where whole, also the trainer's own step
+  (trainer_step: FSDP2 on a one-rank mesh, the run's optimizer), which the step-time model uses;
+  every rank at once, as in a run (a CPU node's ranks share its cores), the median rank's kept;
 - collectives: the topology's ranks as real processes (gloo on cpu, NCCL on cuda; on emulated nodes
   inside their namespaces, as fldp-train starts them), per network tier: `node` (the ranks of
   node 0), `inter-node` (one rank per node) and `inter-node-shared` (every rank of every node at
@@ -278,8 +279,12 @@ def measure_compute(cfg, settings: Settings, device) -> dict:
     tokens = batch * seq
     model_flops = flops_per_token(params, embedding, config.num_hidden_layers, config.hidden_size, seq)
     whole = params * dtype.itemsize * 4 <= WHOLE_MODEL_BYTES
+    step: dict = {}
     if whole:  # the model's own step: its layers, head, norms and the framework's overhead
         model_train, optimizer, opt_bytes = _whole_model(config, dtype, batch, seq, settings, device)
+        step = trainer_step(cfg, config.vocab_size, settings, device)
+        step["flop_s_step"] = 3 * model_flops * tokens / (step["step_forward_s"] + step["step_backward_s"])
+        step["optimizer_bytes_s_step"] = 7 * opt_bytes / step["step_optimizer_s"]
     else:  # its layers and its head (lm_head and the loss), as they take their time
         head_train, optimizer = _head_and_optimizer(layer, x, config, settings, device)
         model_train = config.num_hidden_layers * train + head_train
@@ -298,6 +303,7 @@ def measure_compute(cfg, settings: Settings, device) -> dict:
         "flops_per_token_model": flops_per_token(params, embedding, config.num_hidden_layers, config.hidden_size, seq),
         "flop_s_forward": layer_flops * tokens / forward,
         "flop_s_train": 3 * layer_flops * tokens / train,  # backward: twice forward's FLOPs
+        **step,
     }
 
 
@@ -324,6 +330,42 @@ def _whole_model(config, dtype, batch: int, seq: int, settings: Settings, device
     train_s = _median_time(train, settings, device)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return train_s, _median_time(adamw.step, settings, device), nbytes
+
+
+def trainer_step(cfg, vocab_size: int, settings: Settings, device) -> dict:
+    """The trainer's own step on one rank, every rank at once: the model as fldp.trainer shards it
+    (FSDP2 over a one-rank mesh: F = the world, each rank its own group, as an 8x1x1 run) and the
+    run's optimizer; forward (with the loss), backward and the optimizer timed as fldp.step.TrainStep
+    times them (median after warm-up). It holds what the bare model's step does not: FSDP2's hooks,
+    DTensor parameters and an optimizer over them. A collective over every rank (the mesh)."""
+    import torch
+    import torch.distributed as dist
+
+    from .config import OptimizerConfig, typed
+    from .mesh import MeshShape, build_mesh, group_mesh
+    from .step import PhaseTimer
+    from .trainer import build_optimizer, sharded_model
+
+    shape = MeshShape(dist.get_world_size(), 1, 1)
+    model = sharded_model(cfg, vocab_size, group_mesh(build_mesh(shape, device.type), shape), device)
+    optimizer = build_optimizer(model, typed(OptimizerConfig, cfg.optimizer, "optimizer"))
+    batch, seq = int(cfg.trainer.batch_size), int(cfg.dataset.block_size)
+    ids = torch.randint(vocab_size, (batch, seq), device=device)
+    timer, laps = PhaseTimer(device), []
+    for _ in range(settings.warmup + settings.repeats):
+        timer.start()
+        loss = model(input_ids=ids, labels=ids).loss
+        timer.lap("forward")
+        loss.backward()
+        timer.lap("backward")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        timer.lap("optimizer")
+        laps.append(timer.times)
+    kept = laps[settings.warmup :]
+    return {
+        f"step_{phase}_s": statistics.median(t[phase] for t in kept) for phase in ("forward", "backward", "optimizer")
+    }
 
 
 def _head_and_optimizer(layer, x, config, settings: Settings, device) -> tuple[float, float]:
@@ -357,8 +399,14 @@ def _median_over_ranks(computed: list[dict]) -> dict:
         "flop_s_model",
         "optimizer_s",
         "optimizer_bytes_s",
+        "step_forward_s",
+        "step_backward_s",
+        "step_optimizer_s",
+        "flop_s_step",
+        "optimizer_bytes_s_step",
     ):
-        out[key] = statistics.median(c[key] for c in computed)
+        if key in out:
+            out[key] = statistics.median(c[key] for c in computed)
     return out
 
 

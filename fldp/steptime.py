@@ -8,7 +8,8 @@ Terms, per GPU and step:
 - FSDP's all-gathers and reduce-scatters per unit, and HSDP's all-reduce of the gradient shards
   over the replicas, overlapped with compute as FSDP2 prefetches: each decoder layer costs the
   larger of its compute and its collectives; the root unit's gather is exposed before forward
-  (it is then held to backward) and its reduction after backward;
+  (it is then held to backward) and its reduction after backward; on CPU ranks sharing too few
+  cores (Hardware.overlap false, from a calibration profile) a layer's compute and collectives add;
 - a collective: bytes per rank (a ring's: (n-1)/n of the message per all-gather or reduce-scatter,
   twice that per all-reduce) over a bandwidth, plus a latency per ring step (alpha-beta, Thakur,
   Rabenseifner and Gropp 2005). Inside a node: NVLink. Across nodes: a flow gets one NIC port,
@@ -25,6 +26,7 @@ node measured by fldp-calibrate (`topology.profile`) gives its own terms instead
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -50,6 +52,9 @@ class Hardware:
     # the collectives' library: gloo's reduce-scatter is an all-reduce (docs/netns.md), and its
     # all-reduce a ring at any span (NCCL's tuning picks a tree across nodes)
     backend: str = "nccl"
+    # collectives run beside compute (a GPU: NCCL on its own streams); ranks that share too few CPU
+    # cores pay gloo's sends and reductions on the cores their compute needs, so the two add
+    overlap: bool = True
 
     @classmethod
     def from_profile(cls, profile: dict, base: Hardware | None = None) -> Hardware:
@@ -66,10 +71,13 @@ class Hardware:
         shared = tiers.get("inter-node-shared")
         compute = profile["compute"]
         # the whole model's rate (its layers and head) where measured, else one layer's
-        found: dict = {"peak_flops": compute.get("flop_s_model", compute["flop_s_train"]), "gpus_per_node": ranks}
+        rate = compute.get("flop_s_step", compute.get("flop_s_model", compute["flop_s_train"]))
+        found: dict = {"peak_flops": rate, "gpus_per_node": ranks}
         if "optimizer_bytes_s" in compute:
-            found["hbm"] = compute["optimizer_bytes_s"]
-        found["backend"] = (profile.get("machine") or {}).get("backend", base.backend)
+            found["hbm"] = compute.get("optimizer_bytes_s_step", compute["optimizer_bytes_s"])
+        machine = profile.get("machine") or {}
+        found["backend"] = machine.get("backend", base.backend)
+        found["overlap"] = overlaps(profile["topology"].get("device", "cuda"), machine.get("cpus"), compute)
         if node:
             found.update(nvlink=node["beta_bytes_s"], node_latency=node["alpha_s"])
         if across:
@@ -77,6 +85,15 @@ class Hardware:
         if shared:
             found["nic"] = shared["beta_bytes_s"] * shared["groups_at_once"]
         return replace(base, **found)
+
+
+def overlaps(device: str, cpus: int | None, compute: dict) -> bool:
+    """Whether a calibrated machine's collectives run beside its compute: on a GPU, yes; on a CPU
+    only with a core for each rank's compute and one for its collectives (gloo's threads)."""
+    if device != "cpu":
+        return True
+    ranks = compute.get("ranks_at_once", 1) * (compute.get("threads") or 1)
+    return cpus is not None and cpus >= 2 * ranks
 
 
 @dataclass(frozen=True)
@@ -213,13 +230,17 @@ def phases(work: Workload, shape, every: int | None, hw: Hardware, eff: Efficien
 
     compute = work.flops_per_token * work.tokens / (hw.peak_flops * eff.compute)
     per_layer = compute / len(layers)
-    forward = gather(root) + sum(max(per_layer, gather(u)) for u in layers)
-    # FSDP2 gathers on one stream and reduce-scatters, then all-reduces, on another: on one link
-    # they share it; the replicas' all-reduce on the NIC runs beside NVLink's gathers
-    backward = sum(
-        max(2 * per_layer, gather(u) + scatter(u) if replicate.nodes == 1 else max(gather(u), scatter(u) + replicas(u)))
-        for u in layers
-    )
+    beside = max if hw.overlap else operator.add  # a layer's compute and its collectives
+    forward = gather(root) + sum(beside(per_layer, gather(u)) for u in layers)
+
+    def collectives(unit):  # a layer's in backward
+        # FSDP2 gathers on one stream and reduce-scatters, then all-reduces, on another: on one link
+        # (or a CPU's shared cores) they add; the replicas' all-reduce on the NIC runs beside NVLink's
+        if replicate.nodes > 1 and hw.overlap:
+            return max(gather(unit), scatter(unit) + replicas(unit))
+        return gather(unit) + scatter(unit) + replicas(unit)
+
+    backward = sum(beside(2 * per_layer, collectives(u)) for u in layers)
     backward += scatter(root) + replicas(root)
     shard_bytes = sum(work.unit_bytes) / S
     optimizer = 7 * shard_bytes / hw.hbm  # AdamW: reads 4 tensors of the shard, writes 3

@@ -137,6 +137,9 @@ def test_the_installed_command_writes_a_profile_of_the_machine(local_profile):
     compute = prof["compute"]
     assert compute["tokens_per_rank"] == 2 * 128 and compute["flop_s_train"] > 1e6 and compute["flop_s_forward"] > 1e6
     assert compute["flop_s_model"] > 1e6 and compute["optimizer_bytes_s"] > 1e6 and compute["ranks_at_once"] == 2
+    # the trainer's own step (FSDP2 on a one-rank mesh): what the step-time model uses
+    assert all(compute[f"step_{p}_s"] > 0 for p in ("forward", "backward", "optimizer"))
+    assert compute["flop_s_step"] > 1e6 and compute["optimizer_bytes_s_step"] > 1e6
     assert prof["machine"]["torch"] and prof["machine"]["backend"] == "gloo" and prof["date"]
 
 
@@ -149,7 +152,7 @@ def test_a_topology_uses_the_profile(local_profile):
     assert hw == Hardware.from_profile(prof) and hardware_for(compose_cfg("topology=local_2").topology) == Hardware()
     node = prof["tiers"]["node"]
     assert hw.nvlink == node["beta_bytes_s"] and hw.node_latency == node["alpha_s"]
-    assert hw.peak_flops == prof["compute"]["flop_s_model"] and hw.hbm == prof["compute"]["optimizer_bytes_s"]
+    assert hw.peak_flops == prof["compute"]["flop_s_step"] and hw.hbm == prof["compute"]["optimizer_bytes_s_step"]
     assert hw.gpus_per_node == 2 and hw.backend == "gloo"
 
     class Shape:  # FSDP over the node's 2 ranks

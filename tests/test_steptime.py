@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from fldp.mesh import MeshShape
-from fldp.steptime import Efficiency, Hardware, Workload, all_reduce, dim_link, phases, ring
+from fldp.steptime import Efficiency, Hardware, Workload, all_reduce, dim_link, overlaps, phases, ring
 
 HW = Hardware()
 FULL = Efficiency(compute=1.0, network=1.0, span=0.0)
@@ -84,3 +84,36 @@ def test_the_latency_multiple_scales_every_tiers_per_step_latency():
     work = Workload(unit_bytes=(1e6, 1e6, 1e6), flops_per_token=0.0, tokens=1)
     fast, slowed = (phases(work, MeshShape(1, 1, 512), None, hw, e)["forward"] for e in (FULL, slow))
     assert slowed - fast == pytest.approx(3 * 511 * 8e-6)
+
+
+def test_collectives_overlap_compute_on_a_gpu_and_on_a_cpu_with_a_core_to_spare_per_rank():
+    assert overlaps("cuda", None, {}) and overlaps("cpu", 32, {"ranks_at_once": 8, "threads": 2})
+    assert not overlaps("cpu", 2, {"ranks_at_once": 8, "threads": 1}) and not overlaps("cpu", None, {})
+    assert not overlaps("cpu", 8, {"ranks_at_once": 8, "threads": 1})
+
+
+# 2 layers of 1 GB and a root of 0.5 GB, 1e12 FLOPs each way per layer at 1e12 FLOP/s: 1 s a layer
+WORK = Workload(unit_bytes=(1e9, 1e9, 0.5e9), flops_per_token=2e12, tokens=1)
+NO_LATENCY = Hardware(peak_flops=1e12, latency=0.0, node_latency=0.0)
+
+
+def test_without_overlap_a_layers_compute_and_collectives_add():
+    # FSDP over the node's 4 GPUs at 100 GB/s: a gather (or reduce-scatter) of u is 3/4 u / 100 GB/s
+    def ring_s(u):
+        return 0.75 * u / 100e9
+
+    layer = 1.0
+    apart = phases(WORK, MeshShape(1, 1, 4), None, Hardware(**{**NO_LATENCY.__dict__, "overlap": False}), FULL)
+    assert apart["forward"] == pytest.approx(ring_s(0.5e9) + 2 * (layer + ring_s(1e9)))
+    assert apart["backward"] == pytest.approx(2 * (2 * layer + 2 * ring_s(1e9)) + ring_s(0.5e9))
+    together = phases(WORK, MeshShape(1, 1, 4), None, NO_LATENCY, FULL)
+    assert together["forward"] == pytest.approx(ring_s(0.5e9) + 2 * layer)
+
+
+def test_hsdp_inside_a_node_pays_each_layers_replica_all_reduce():
+    # R = 2, S = 2 in one node at 100 GB/s, no compute: per layer a gather and a reduce-scatter of
+    # 1/2 u each and the all-reduce of the u/2 shard over 2 replicas (2 x 1/2 of it)
+    work = Workload(unit_bytes=(1e9, 1e9, 0.0), flops_per_token=0.0, tokens=1)
+    got = phases(work, MeshShape(1, 2, 2), None, NO_LATENCY, FULL)
+    per_layer = (0.5e9 + 0.5e9 + 0.5e9) / 100e9
+    assert got["backward"] == pytest.approx(2 * per_layer)
