@@ -174,6 +174,15 @@ def crossing_flows(shape: MeshShape, dim: str, procs_per_node: int, leaders_only
     return max([1, *out.values(), *into.values()])
 
 
+def fedavg_mode(cfg) -> str:
+    """FL+HSDP's mode: the configured algorithm's, else the one the topology's reference numbers ran."""
+    return (
+        (cfg.algorithm.get("fedavg") or {}).get("mode")
+        or cfg.topology.get("fedavg_mode")
+        or default_of("algorithm.fedavg.mode")
+    )
+
+
 def tier_bandwidth(
     network, shape: MeshShape, scale: float = 1.0, procs_per_node: int | None = None, leaders_only: bool = False
 ) -> dict[str, float]:
@@ -488,12 +497,7 @@ def predict_for(
     patterns = plain(cfg.algorithm.get("federate")) or [".*"]
     federated = federated_mask(patterns, list(units.names)) if units.names else None
     reduce_dtype = REDUCE_DTYPES[(cfg.algorithm.get("outer") or {}).get("reduce_dtype")]
-    # FL+HSDP's mode: the configured algorithm's, else the one the topology's reference numbers ran
-    mode = (
-        (cfg.algorithm.get("fedavg") or {}).get("mode")
-        or cfg.topology.get("fedavg_mode")
-        or default_of("algorithm.fedavg.mode")
-    )
+    mode = fedavg_mode(cfg)
     bucket_mb = (cfg.algorithm.get("fedavg") or {}).get("bucket_mb", 25.0)
     network = network if network is not None else cfg.topology.network
     leaders = mode == "leader_broadcast" and shape.replicate > 1

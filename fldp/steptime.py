@@ -17,7 +17,8 @@ Terms, per GPU and step:
   its 4 GPUs), times an efficiency that falls with the nodes the collective spans:
   `network` x nodes^-`span` (MiCS: collectives over more nodes reach less of the link);
 - the optimizer: AdamW reads parameters, gradients and two moments and writes three, at HBM speed;
-- the aggregation: the federated shards' all-reduce over the groups every A steps, amortised.
+- the aggregation: the federated shards' all-reduce over the groups every A steps, amortised (FedAvg's
+  leader_broadcast: replica 0's groups alone cross, then each broadcasts to its replicas).
 The free terms (`Efficiency`) are fitted to measured phase times (analysis/steptime_fit.py). A
 node measured by fldp-calibrate (`topology.profile`) gives its own terms instead: `hardware_for`,
 `Hardware.from_profile`, with `MEASURED`.
@@ -192,9 +193,12 @@ class Link:
     nodes: int
 
 
-def dim_link(dim: str, shape, hw: Hardware, eff: Efficiency) -> Link:
+def dim_link(dim: str, shape, hw: Hardware, eff: Efficiency, leaders: bool = False) -> Link:
     """A mesh dimension's link, ranks node-major: NVLink inside a node; across nodes one NIC port
-    per flow, or its share of the node's NICs when more of the dimension's groups cross at once."""
+    per flow, or its share of the node's NICs when more of the dimension's groups cross at once
+    (leaders: FedAvg's leader_broadcast, only replica 0's groups cross)."""
+    from .cost import crossing_flows
+
     size, stride = {
         "shard": (shape.shard, 1),
         "replicate": (shape.replicate, shape.shard),
@@ -203,14 +207,28 @@ def dim_link(dim: str, shape, hw: Hardware, eff: Efficiency) -> Link:
     g = hw.gpus_per_node
     if size <= 1 or size * stride <= g:
         return Link(hw.nvlink * eff.network, hw.node_latency * eff.latency, 1)
-    flows = min(stride, g)  # the dimension's groups in a node, each crossing it once per ring
+    flows = crossing_flows(shape, dim, g, leaders and dim == "federation")
     nodes = min(size, math.ceil(size * stride / g))
     # a collective over more nodes reaches less of its link (MiCS): nodes^-span
     return Link(min(hw.port, hw.nic / flows) * eff.network * nodes ** (-eff.span), hw.latency * eff.latency, nodes)
 
 
-def phases(work: Workload, shape, every: int | None, hw: Hardware, eff: Efficiency) -> dict[str, float]:
-    """Seconds per phase of one step (aggregation amortised over A steps)."""
+def broadcast(nbytes: float, n: int, bandwidth: float, latency: float, backend: str) -> float:
+    """Seconds of a broadcast to n - 1 others: NCCL pipelines it along a ring (the message once per
+    rank, fldp/cost.py's C_BC); gloo's is flat, the root sending it to each of the others."""
+    if n <= 1:
+        return 0.0
+    if backend == "gloo":
+        return (n - 1) * (nbytes / bandwidth + latency)
+    return nbytes / bandwidth + (n - 1) * latency
+
+
+def phases(
+    work: Workload, shape, every: int | None, hw: Hardware, eff: Efficiency, leaders: bool = False
+) -> dict[str, float]:
+    """Seconds per phase of one step (aggregation amortised over A steps). leaders: FedAvg's
+    leader_broadcast (cost.fedavg_mode), where replica 0 of each group averages and then broadcasts
+    to its replicas; else every replica averages with its peers."""
     *layers, root = work.unit_bytes
     shard, replicate = dim_link("shard", shape, hw, eff), dim_link("replicate", shape, hw, eff)
     S, R = shape.shard, shape.replicate
@@ -246,8 +264,10 @@ def phases(work: Workload, shape, every: int | None, hw: Hardware, eff: Efficien
     optimizer = 7 * shard_bytes / hw.hbm  # AdamW: reads 4 tensors of the shard, writes 3
     aggregation = 0.0
     if every and shape.federation > 1:
-        fed = dim_link("federation", shape, hw, eff)
-        aggregation = (
-            all_reduce(shard_bytes, shape.federation, fed.bandwidth, fed.latency, tree and fed.nodes > 1) / every
-        )
+        leads = leaders and R > 1
+        fed = dim_link("federation", shape, hw, eff, leads)
+        exchange = all_reduce(shard_bytes, shape.federation, fed.bandwidth, fed.latency, tree and fed.nodes > 1)
+        if leads:
+            exchange += broadcast(shard_bytes, R, replicate.bandwidth, replicate.latency, hw.backend)
+        aggregation = exchange / every
     return {"forward": forward, "backward": backward, "optimizer": optimizer, "aggregation": aggregation}

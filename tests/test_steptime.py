@@ -117,3 +117,19 @@ def test_hsdp_inside_a_node_pays_each_layers_replica_all_reduce():
     got = phases(work, MeshShape(1, 2, 2), None, NO_LATENCY, FULL)
     per_layer = (0.5e9 + 0.5e9 + 0.5e9) / 100e9
     assert got["backward"] == pytest.approx(2 * per_layer)
+
+
+@pytest.mark.parametrize("backend, broadcast_s", [("nccl", 0.02), ("gloo", 3 * 0.02)])
+def test_leader_broadcast_sends_one_replicas_exchange_across_nodes_then_broadcasts(backend, broadcast_s):
+    # 2 nodes of 4, F = 2 groups of R = 4 replicas (S = 1): a group per node, 2 GB of weights each.
+    # Every replica: 4 flows share a node's 25 GB/s (6.25 GB/s each); leaders: one flow at a port's
+    # 12.5 GB/s, then the weights broadcast over NVLink (100 GB/s) to the 3 other replicas
+    hw = Hardware(nic=25e9, latency=0.0, node_latency=0.0, backend=backend)
+    work = Workload(unit_bytes=(1e9, 1e9, 0.0), flops_per_token=0.0, tokens=1)
+    every = phases(work, MeshShape(2, 4, 1), 4, hw, FULL)["aggregation"]
+    leaders = phases(work, MeshShape(2, 4, 1), 4, hw, FULL, leaders=True)["aggregation"]
+    assert every == pytest.approx(2e9 / 6.25e9 / 4)
+    assert leaders == pytest.approx((2e9 / 12.5e9 + broadcast_s) / 4)
+    # without replicas there is nothing to lead
+    alone = Workload(unit_bytes=(1e9, 1e9, 0.0), flops_per_token=0.0, tokens=1)
+    assert phases(alone, MeshShape(8, 1, 1), 4, hw, FULL, leaders=True) == phases(alone, MeshShape(8, 1, 1), 4, hw, FULL)
