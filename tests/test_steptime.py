@@ -132,4 +132,6 @@ def test_leader_broadcast_sends_one_replicas_exchange_across_nodes_then_broadcas
     assert leaders == pytest.approx((2e9 / 12.5e9 + broadcast_s) / 4)
     # without replicas there is nothing to lead
     alone = Workload(unit_bytes=(1e9, 1e9, 0.0), flops_per_token=0.0, tokens=1)
-    assert phases(alone, MeshShape(8, 1, 1), 4, hw, FULL, leaders=True) == phases(alone, MeshShape(8, 1, 1), 4, hw, FULL)
+    assert phases(alone, MeshShape(8, 1, 1), 4, hw, FULL, leaders=True) == phases(
+        alone, MeshShape(8, 1, 1), 4, hw, FULL
+    )
