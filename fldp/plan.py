@@ -6,7 +6,7 @@ topology's calibration profile (topology.profile, fldp-calibrate) or else the pu
 with Table 4's fitted efficiencies. Layouts that do not fit are dropped, saying why; the rest are
 ranked by predicted seconds per step (every layout computes the same tokens per rank). Beside it,
 fldp/cost.py's communication alone. The model's errors (docs/communication.md: up to 31% on Table
-4's rows, 14-54% on emulated nodes) make it a shortlist to run, not a verdict.
+4's rows, up to 36% on emulated nodes) make it a shortlist to run, not a verdict.
 
     fldp-plan topology=leonardo_512 model=llama3_1_8b [--every 4,8,16] [--top 3] [--json]
 """
