@@ -71,7 +71,7 @@ class Hardware:
         node, across = tiers.get("node"), tiers.get("inter-node")
         shared = tiers.get("inter-node-shared")
         compute = profile["compute"]
-        # the whole model's rate (its layers and head) where measured, else one layer's
+        # the trainer's own step's rate where measured, else the bare whole model's, else one layer's
         rate = compute.get("flop_s_step", compute.get("flop_s_model", compute["flop_s_train"]))
         found: dict = {"peak_flops": rate, "gpus_per_node": ranks}
         if "optimizer_bytes_s" in compute:
