@@ -3,6 +3,8 @@ and its fit beside Table 4 (analysis/steptime_fit.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from fldp.mesh import MeshShape
@@ -103,7 +105,7 @@ def test_without_overlap_a_layers_compute_and_collectives_add():
         return 0.75 * u / 100e9
 
     layer = 1.0
-    apart = phases(WORK, MeshShape(1, 1, 4), None, Hardware(**{**NO_LATENCY.__dict__, "overlap": False}), FULL)
+    apart = phases(WORK, MeshShape(1, 1, 4), None, dataclasses.replace(NO_LATENCY, overlap=False), FULL)
     assert apart["forward"] == pytest.approx(ring_s(0.5e9) + 2 * (layer + ring_s(1e9)))
     assert apart["backward"] == pytest.approx(2 * (2 * layer + 2 * ring_s(1e9)) + ring_s(0.5e9))
     together = phases(WORK, MeshShape(1, 1, 4), None, NO_LATENCY, FULL)
