@@ -116,6 +116,31 @@ def losses(df: pd.DataFrame, out: Path) -> Path:
     return path
 
 
+def banked(df: pd.DataFrame, results: Path, allow_mixed: bool) -> pd.DataFrame:
+    """df with the rows of RESULTS/runs.csv whose phase df lacks, each with its training losses from
+    RESULTS/losses.csv.gz: a report made again after new phases ran, from the per-run numbers an
+    earlier report committed. Rows of other commits than df's are refused (exit 2) unless allow_mixed."""
+    earlier = pd.read_csv(results / "runs.csv")
+    earlier = earlier[~earlier["phase"].isin(set(df["phase"]))]
+    curves = pd.read_csv(results / LOSSES).groupby("run")
+    missing = sorted(set(earlier["run"]) - set(curves.groups))
+    if missing:
+        raise SystemExit(f"--banked {results}: no training losses for {len(missing)} runs, e.g. {missing[0]}")
+    commits = set(earlier["commit"].astype(str)) - set(df["commit"].astype(str))
+    if commits and not allow_mixed:
+        print(
+            f"--banked {results}: its runs come from other commits ({', '.join(sorted(commits))}). "
+            "Nothing written: pass --allow-mixed to report them together",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    earlier = earlier.assign(
+        step=[list(curves.get_group(r)["step"]) for r in earlier["run"]],
+        loss=[list(curves.get_group(r)["loss"]) for r in earlier["run"]],
+    )
+    return pd.concat([df, earlier[[c for c in df.columns if c in earlier.columns]]], ignore_index=True)
+
+
 def committed(name: str, phase: str | None = None) -> pd.DataFrame:
     """The committed report's RESULTS/NAME (runs.csv: only `phase`'s rows; findings.csv: only the
     primary family, in CLAIMS' order), empty where this checkout has none (an installed analysis)."""
@@ -468,6 +493,8 @@ def study_main(module: str, parser, args, argv: list[str] | None, frame, decide,
     if not runs:
         return 1
     df, paper = frame(runs), paper_values.load(args.paper)
+    if args.banked is not None:
+        df = banked(df, args.banked, args.allow_mixed)
     if args.decide:
         print("\n".join(decide(df, args.seeds, paper)))
         return 0
