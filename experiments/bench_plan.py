@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "experiments"))
 from bench_netns import compose_cfg, run, write_results  # noqa: E402
 
 from fldp import netns  # noqa: E402
-from fldp.cost import fedavg_mode  # noqa: E402
+from fldp.cost import leads  # noqa: E402
 from fldp.data import prepare  # noqa: E402
 from fldp.mesh import mesh_shape  # noqa: E402
 from fldp.plan import BY_DIMS, layouts  # noqa: E402
@@ -69,9 +69,8 @@ def points(setting: list[str], everies: list[int], only: set[str]) -> list[list[
 
 def predicted(cfg, every: int | None) -> float:
     """Seconds per step by the step-time model, on the profile's hardware, in the run's FedAvg mode."""
-    leaders = fedavg_mode(cfg) == "leader_broadcast"
     hw = hardware_for(cfg.topology)
-    return sum(phases(workload_for(cfg), mesh_shape(cfg), every, hw, MEASURED, leaders).values())
+    return sum(phases(workload_for(cfg), mesh_shape(cfg), every, hw, MEASURED, leads(cfg)).values())
 
 
 def interval(times: list[float]) -> tuple[float, float, float]:

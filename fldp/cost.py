@@ -183,6 +183,12 @@ def fedavg_mode(cfg) -> str:
     )
 
 
+def leads(cfg) -> bool:
+    """Whether FL+HSDP's FedAvg is leader_broadcast (fedavg_mode): replica 0 of each group averages
+    across groups, then broadcasts to its replicas."""
+    return fedavg_mode(cfg) == "leader_broadcast"
+
+
 def tier_bandwidth(
     network, shape: MeshShape, scale: float = 1.0, procs_per_node: int | None = None, leaders_only: bool = False
 ) -> dict[str, float]:
@@ -500,7 +506,7 @@ def predict_for(
     mode = fedavg_mode(cfg)
     bucket_mb = (cfg.algorithm.get("fedavg") or {}).get("bucket_mb", 25.0)
     network = network if network is not None else cfg.topology.network
-    leaders = mode == "leader_broadcast" and shape.replicate > 1
+    leaders = leads(cfg) and shape.replicate > 1
     bandwidth = tier_bandwidth(network, shape, procs_per_node=cfg.topology.procs_per_node, leaders_only=leaders)
     on = tiers(network, shape)
     latency = {d: (on[d].get("latency_ms", 0.0) + on[d].get("delay_ms", 0.0)) / 1e3 for d in DIMS}

@@ -79,7 +79,7 @@ def candidates(configs: dict, everies: list[int]) -> list[Candidate]:
     """Each layout of the topology, with each A where it federates."""
     from omegaconf import open_dict
 
-    from .cost import config_shapes, fedavg_mode, predict_for
+    from .cost import config_shapes, leads, predict_for
     from .memory import for_shapes
     from .steptime import efficiency_for, hardware_for, phases, workload_of
 
@@ -112,7 +112,7 @@ def candidates(configs: dict, everies: list[int]) -> list[Candidate]:
                     shape.replicate,
                     shape.shard,
                     every,
-                    phases(work, shape, every, hw, eff, fedavg_mode(chosen) == "leader_broadcast"),
+                    phases(work, shape, every, hw, eff, leads(chosen)),
                     sum(pred.exact.values()),
                     dict(pred.bytes_per_step),
                     memory.peak / 1e9,
