@@ -353,6 +353,7 @@ def trainer_step(cfg, vocab_size: int, settings: Settings, device) -> dict:
     ids = torch.randint(vocab_size, (batch, seq), device=device)
     timer, laps = PhaseTimer(device), []
     for _ in range(settings.warmup + settings.repeats):
+        dist.barrier()  # each step starts together, as a run's do after their records' all-gather
         timer.start()
         loss = model(input_ids=ids, labels=ids).loss
         timer.lap("forward")
@@ -364,7 +365,8 @@ def trainer_step(cfg, vocab_size: int, settings: Settings, device) -> dict:
         laps.append(timer.times)
     kept = laps[settings.warmup :]
     return {
-        f"step_{phase}_s": statistics.median(t[phase] for t in kept) for phase in ("forward", "backward", "optimizer")
+        **{f"step_{p}_s": statistics.median(t[p] for t in kept) for p in ("forward", "backward", "optimizer")},
+        "step_laps_s": [sum(t.values()) for t in kept],  # for the slowest rank's (_median_over_ranks)
     }
 
 
@@ -388,8 +390,13 @@ def _head_and_optimizer(layer, x, config, settings: Settings, device) -> tuple[f
 
 
 def _median_over_ranks(computed: list[dict]) -> dict:
-    """The ranks' compute measurements as one: each time and rate the median rank's."""
+    """The ranks' compute measurements as one: each time and rate the median rank's; and
+    `step_slowest_s`, each repetition's trainer step of its slowest rank, median over repetitions:
+    what a run records as its step (fldp.step.step_row's time_step), where the median rank is not."""
+    laps = [c.pop("step_laps_s") for c in computed if "step_laps_s" in c]
     out = dict(computed[0], ranks_at_once=len(computed))
+    if laps:
+        out["step_slowest_s"] = statistics.median(max(rep) for rep in zip(*laps))
     for key in (
         "layer_forward_s",
         "layer_train_s",

@@ -71,11 +71,13 @@ class Hardware:
         node, across = tiers.get("node"), tiers.get("inter-node")
         shared = tiers.get("inter-node-shared")
         compute = profile["compute"]
-        # the trainer's own step's rate where measured, else the bare whole model's, else one layer's
-        rate = compute.get("flop_s_step", compute.get("flop_s_model", compute["flop_s_train"]))
+        # the trainer's own step's rate where measured, else the bare whole model's, else one layer's;
+        # slowed to its slowest rank's (a run's step is that rank's), where measured
+        slowest = slowest_rank(compute)
+        rate = compute.get("flop_s_step", compute.get("flop_s_model", compute["flop_s_train"])) / slowest
         found: dict = {"peak_flops": rate, "gpus_per_node": ranks}
         if "optimizer_bytes_s" in compute:
-            found["hbm"] = compute.get("optimizer_bytes_s_step", compute["optimizer_bytes_s"])
+            found["hbm"] = compute.get("optimizer_bytes_s_step", compute["optimizer_bytes_s"]) / slowest
         machine = profile.get("machine") or {}
         found["backend"] = machine.get("backend", base.backend)
         found["overlap"] = overlaps(profile["topology"].get("device", "cuda"), machine.get("cpus"), compute)
@@ -86,6 +88,15 @@ class Hardware:
         if shared:
             found["nic"] = shared["beta_bytes_s"] * shared["groups_at_once"]
         return replace(base, **found)
+
+
+def slowest_rank(compute: dict) -> float:
+    """How much longer the slowest rank's trainer step took than the median rank's (>= 1; 1 where
+    the profile has no `step_slowest_s`)."""
+    if "step_slowest_s" not in compute:
+        return 1.0
+    median = sum(compute[f"step_{p}_s"] for p in ("forward", "backward", "optimizer"))
+    return max(1.0, compute["step_slowest_s"] / median)
 
 
 def overlaps(device: str, cpus: int | None, compute: dict) -> bool:

@@ -140,6 +140,7 @@ def test_the_installed_command_writes_a_profile_of_the_machine(local_profile):
     # the trainer's own step (FSDP2 on a one-rank mesh): what the step-time model uses
     assert all(compute[f"step_{p}_s"] > 0 for p in ("forward", "backward", "optimizer"))
     assert compute["flop_s_step"] > 1e6 and compute["optimizer_bytes_s_step"] > 1e6
+    assert compute["step_slowest_s"] > 0 and "step_laps_s" not in compute  # the laps are not the profile's
     assert prof["machine"]["torch"] and prof["machine"]["backend"] == "gloo" and prof["date"]
 
 
@@ -152,7 +153,12 @@ def test_a_topology_uses_the_profile(local_profile):
     assert hw == Hardware.from_profile(prof) and hardware_for(compose_cfg("topology=local_2").topology) == Hardware()
     node = prof["tiers"]["node"]
     assert hw.nvlink == node["beta_bytes_s"] and hw.node_latency == node["alpha_s"]
-    assert hw.peak_flops == prof["compute"]["flop_s_step"] and hw.hbm == prof["compute"]["optimizer_bytes_s_step"]
+    compute = prof["compute"]
+    slowest = max(
+        1.0, compute["step_slowest_s"] / sum(compute[f"step_{p}_s"] for p in ("forward", "backward", "optimizer"))
+    )
+    assert hw.peak_flops == pytest.approx(compute["flop_s_step"] / slowest)
+    assert hw.hbm == pytest.approx(compute["optimizer_bytes_s_step"] / slowest)
     assert hw.gpus_per_node == 2 and hw.backend == "gloo"
 
     class Shape:  # FSDP over the node's 2 ranks
@@ -210,3 +216,23 @@ def test_cluster_slurm_dry_run_prints_the_one_job_and_submits_nothing(tmp_path):
     for line in ("--job-name=fldp-calibrate-slurm_2x4", "--nodes=2", "--ntasks-per-node=4"):
         assert line in out.stdout, out.stdout
     assert "--requeue" not in out.stdout and not (tmp_path / "p.yaml").exists()
+
+
+def test_a_run_s_step_is_its_slowest_rank_s_so_the_profile_keeps_that_rank_s():
+    """fldp.step records each step as its slowest rank's: the calibrated step, per repetition the
+    slowest rank's, median over repetitions, slows the rates the step-time model uses."""
+    from fldp.calibrate import _median_over_ranks
+
+    step = {
+        "step_forward_s": 0.2,
+        "step_backward_s": 0.2,
+        "step_optimizer_s": 0.1,
+        "flop_s_step": 1e9,
+        "flop_s_train": 1e8,
+    }
+    ranks = [dict(step, step_laps_s=[0.5, 0.5, 0.5]), dict(step, step_laps_s=[1.0, 0.4, 1.5])]
+    compute = _median_over_ranks(ranks)
+    assert compute["step_slowest_s"] == 1.0 and "step_laps_s" not in compute  # median of 1.0, 0.5, 1.5
+    profile = {"format": 1, "topology": {"procs_per_node": 2, "device": "cpu"}, "compute": compute}
+    slowed, as_median = Hardware.from_profile(profile), Hardware.from_profile({**profile, "compute": step})
+    assert slowed.peak_flops == pytest.approx(as_median.peak_flops / 2) == pytest.approx(0.5e9)
