@@ -108,13 +108,6 @@ def reports_parser(prog: str, doc: str):
     parser.add_argument("--out", required=True, type=Path, help="directory for the tables, figures and report")
     parser.add_argument("--paper", default=None, help="paper values (default: analysis/paper_values.json)")
     parser.add_argument("--strict", action="store_true", help="exit 1 if any run had to be skipped")
-    parser.add_argument(
-        "--banked",
-        type=Path,
-        metavar="RESULTS",
-        help="also the runs of the phases RUNS lack, from RESULTS/runs.csv and RESULTS/losses.csv.gz "
-        "(an earlier report of the study, whose run directories are gone)",
-    )
     add_allow_mixed(parser)
     return parser
 
