@@ -93,7 +93,18 @@ def records(run_dir: Path) -> list[dict]:
 
 
 def machine() -> dict:
-    return {"torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability()}
+    """What decides the kernels' summation order: torch, its CPU capability, and the CPU's vector
+    extensions (two AVX512 machines, one with AMX and AVX512-FP16, summed apart at 1e-7)."""
+    return {"torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability(), "isa": vector_flags()}
+
+
+def vector_flags() -> list[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return sorted(f for f in flags if f.startswith(("avx", "amx", "fma")))
 
 
 def check(name: str, got: list[dict]) -> None:

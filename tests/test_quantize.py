@@ -163,6 +163,21 @@ def reference_run(cfg) -> tuple[list[float], dict]:
     return losses, {n: p.detach() for n, p in models[0].named_parameters()}
 
 
+def assert_close_but_for_rounding_flips(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
+    """Equal within 1e-6, but for a few elements (at most 1 in 1,000 of the model's) that sat on a
+    quantisation level's boundary: another CPU's kernels sum the gradients in another order, and an
+    element a hair apart rounds to the neighbouring level (with error feedback its residual carries
+    the flip on). Those differ by about one level (int8 here: 8e-6; int4: 6e-5), far under a step's
+    update (~1e-3); a wrong aggregation moves many elements, and by as much as an update."""
+    off = ~torch.isclose(got, want, rtol=1e-6, atol=1e-6)
+    flips = int(off.sum())
+    assert flips <= max(1, got.numel() // 1_000), (
+        f"{name}: {flips} of {got.numel()} elements differ, by up to {(got - want).abs().max():.2e}"
+    )
+    if flips:
+        assert (got - want).abs().max() < 1e-4, f"{name}: differs by {(got - want).abs().max():.2e}"
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_trainers_quantised_aggregation_matches_the_reference(tmp_path, case):
     cfg = compose_cfg(*FL2, *CASES[case])
@@ -172,8 +187,8 @@ def test_the_trainers_quantised_aggregation_matches_the_reference(tmp_path, case
     assert [r["loss"] for r in rows] == pytest.approx(losses, rel=1e-6, abs=0)
     final = snap.load(0, 0, STEPS)
     assert final.keys() == weights.keys()
-    for name in final:
-        torch.testing.assert_close(final[name], weights[name], rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    flat = lambda d: torch.cat([d[n].reshape(-1) for n in sorted(d)])  # noqa: E731
+    assert_close_but_for_rounding_flips(flat(final), flat(weights), "the model")
     assert torch.equal(
         torch.cat([t.reshape(-1) for t in snap.load(1, 0, STEPS).values()]),
         torch.cat([t.reshape(-1) for t in final.values()]),
