@@ -94,7 +94,8 @@ def records(run_dir: Path) -> list[dict]:
 
 def machine() -> dict:
     """What decides the kernels' summation order: torch, its CPU capability, and the CPU's vector
-    extensions (two AVX512 machines, one with AMX and AVX512-FP16, summed apart at 1e-7)."""
+    extensions (2026-12-05: two machines both "AVX512" to torch summed apart at 1e-7; the newer
+    has AMX and AVX512-FP16, the other's flags were not recorded)."""
     return {"torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability(), "isa": vector_flags()}
 
 
