@@ -8,7 +8,7 @@ import pandas as pd
 
 from analysis import paper as paper_values
 from analysis.paper_shape import committed
-from analysis.sensitivity import effects, findings, rerun, rerun_summary
+from analysis.sensitivity import NOT_YET, effects, findings, report, rerun, rerun_summary
 
 ARMS = ("fsdp", "fl_fsdp", "fl_hsdp")
 
@@ -55,3 +55,22 @@ def test_a_rerun_is_matched_to_the_committed_run_of_its_arm_and_seed():
     assert math.isclose(table["relative_difference"].abs().max(), 1e-3, rel_tol=1e-6)
     text = rerun_summary(table)
     assert "8 identical" in text and "FL+FSDP 1.0e-03" in text and "FSDP 0.0e+00" in text
+
+
+def test_the_settings_are_judged_before_the_base_phase_has_run(tmp_path):
+    """The phases may run in separate sessions: a report of the two judged settings alone has their
+    verdicts, and says what waits for the base phase instead of failing on it."""
+    df = pd.concat(
+        [
+            made_up("paper_lr", 10, {"fsdp": 3.0, "fl_fsdp": 2.0, "fl_hsdp": 1.0}),
+            made_up("clip", 10, {"fsdp": 1.0, "fl_fsdp": 2.0, "fl_hsdp": 1.5}),
+        ],
+        ignore_index=True,
+    )
+    df["run"] = [f"r{i}" for i in range(len(df))]
+    df["step"] = [[1, 2]] * len(df)
+    df["loss"] = [[7.0, 6.5]] * len(df)
+    text = report(df, paper_values.load(None), tmp_path, "made up", None).read_text()
+    assert NOT_YET in text and "| the paper's lr 3e-4 |" in text.replace("  ", " ")
+    assert (tmp_path / "findings.csv").exists() and not (tmp_path / "effects.csv").exists()
+    assert len(pd.read_csv(tmp_path / "findings.csv")) == 6 and not (tmp_path / "rerun.csv").exists()
