@@ -42,6 +42,7 @@ from fldp.data import load_tokenizer, prepare  # noqa: E402
 from fldp.launch import run_local  # noqa: E402
 from fldp.mesh import mesh_shape  # noqa: E402
 from fldp.model import DTYPES, build_model, llama_config  # noqa: E402
+from fldp.records import PHASES  # noqa: E402
 
 NAMES = {"fsdp": "FSDP", "hsdp": "HSDP", "fl_fsdp": "FL+FSDP", "fl_hsdp": "FL+HSDP"}
 
@@ -115,7 +116,10 @@ def run(cfg, blocks, tmp: Path) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["network"] == ("netns" if network else "loopback"), summary["network"]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    out = {"step_s": amortised([r for r in rows if r.get("split") is None], "time_step")}
+    steps = [r for r in rows if r.get("split") is None]
+    out = {"step_s": amortised(steps, "time_step")}
+    # the slowest rank's phases (they add up to its step), amortised alike: the step-time model's terms
+    out["phases_s"] = {p: amortised(steps, f"critical_{p}") for p in PHASES}
     if meter:
         out["link_bytes"] = amortised(json.loads(meter.path.read_text()), "bytes")
     return out

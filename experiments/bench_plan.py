@@ -10,7 +10,8 @@ Repeats are interleaved over the layouts, so load on this shared machine hits th
 
 It writes OUT/profile_TOPOLOGY_MBIT.yaml (fldp-calibrate's), and OUT/results.csv, one row per layout: topology, link_mbit, F, R, S, A, predicted_s,
 measured_s (mean over repeats) and its 95% t-interval (measured_low, measured_high), the relative
-error and the repeats' times; and prints each setting's summary against issue 31's goals: every
+error and the repeats' times, then each phase predicted and measured (the slowest rank's
+phases, as fldp.step records them: critical_*); and prints each setting's summary against issue 31's goals: every
 error within 15%, median within 10%, the predicted fastest within 5% of the measured fastest, and
 Spearman's rank correlation >= 0.9. Needs root and iproute2.
 """
@@ -67,10 +68,11 @@ def points(setting: list[str], everies: list[int], only: set[str]) -> list[list[
     return out
 
 
-def predicted(cfg, every: int | None) -> float:
-    """Seconds per step by the step-time model, on the profile's hardware, in the run's FedAvg mode."""
+def predicted(cfg, every: int | None) -> dict[str, float]:
+    """Seconds per step of each phase by the step-time model, on the profile's hardware, in the run's
+    FedAvg mode."""
     hw = hardware_for(cfg.topology)
-    return sum(phases(workload_for(cfg), mesh_shape(cfg), every, hw, MEASURED, leads(cfg)).values())
+    return phases(workload_for(cfg), mesh_shape(cfg), every, hw, MEASURED, leads(cfg))
 
 
 def interval(times: list[float]) -> tuple[float, float, float]:
@@ -90,15 +92,17 @@ def measure(setting: list[str], profile: Path, args, tmp: Path) -> list[dict]:
     blocks = prepare(cfgs[0].dataset)
     import fldp.trainer  # noqa: F401  (once here, not in every forked worker)
 
-    times: list[list[float]] = [[] for _ in cfgs]
+    runs: list[list[dict]] = [[] for _ in cfgs]
     for _ in range(args.repeats):
         for i, cfg in enumerate(cfgs):
-            times[i].append(run(cfg, blocks, tmp)["step_s"])
+            runs[i].append(run(cfg, blocks, tmp))
     rows = []
-    for cfg, ts in zip(cfgs, times):
+    for cfg, done in zip(cfgs, runs):
         shape, every = mesh_shape(cfg), (cfg.algorithm.every if shape_federates(cfg) else None)
+        ts = [r["step_s"] for r in done]
         mean, low, high = interval(ts)
-        pred = predicted(cfg, every)
+        by_phase = predicted(cfg, every)
+        pred = sum(by_phase.values())
         rows.append(
             {
                 "topology": cfg.topology.name,
@@ -113,6 +117,9 @@ def measure(setting: list[str], profile: Path, args, tmp: Path) -> list[dict]:
                 "measured_high": round(high, 4),
                 "error": round(pred / mean - 1, 4),
                 "repeats_s": " ".join(f"{t:.4f}" for t in ts),
+                # each phase predicted, and measured (the slowest rank's, median over repeats)
+                **{f"predicted_{p}": round(t, 4) for p, t in by_phase.items()},
+                **{f"measured_{p}": round(statistics.median(r["phases_s"][p] for r in done), 4) for p in by_phase},
             }
         )
     return rows

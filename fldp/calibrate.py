@@ -8,11 +8,12 @@ model (fldp/steptime.py) to use instead of published figures.
   threads per rank, timed (median after warm-up), as FLOP/s by steptime.flops_per_token's definition
   (backward: twice forward): the whole model and an AdamW step over it where they fit in
   WHOLE_MODEL_BYTES, else one decoder layer and the head; where whole, also the trainer's own step
-  (trainer_step: FSDP2 on a one-rank mesh, the run's optimizer), which the step-time model uses;
-  every rank at once, as in a run (a CPU node's ranks share its cores), the median rank's kept;
+  (trainer_step: FSDP2 on a one-rank mesh, the run's optimizer, and again sharded over each node's
+  ranks), which the step-time model uses; every rank at once, as in a run (a CPU node's ranks share
+  its cores), the median rank's kept, and the slowest rank's step;
 - collectives: the topology's ranks as real processes (gloo on cpu, NCCL on cuda; on emulated nodes
   inside their namespaces, as fldp-train starts them), per network tier: `node` (the ranks of
-  node 0), `inter-node` (one rank per node) and `inter-node-shared` (every rank of every node at
+  each node, every node at once, as a run's groups), `inter-node` (one rank per node) and `inter-node-shared` (every rank of every node at
   once, one ring per local rank: a node's link shared by its ranks). Each of all-gather,
   reduce-scatter and all-reduce at every size of calibrate.sizes (bytes of the whole message: the
   all-gather's output, the reduce-scatter's input), the slowest rank's time per repetition, median.
@@ -48,6 +49,7 @@ import yaml
 from .errors import ConfigError, Interrupted, WorkerError, parsed_or_exit, tool_arguments
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+STEP_PHASES = ("forward", "backward", "optimizer")  # what trainer_step times
 DEFAULT_SIZES = tuple(4096 * 4**k for k in range(7))  # 4 KiB .. 16 MiB, x4
 FORMAT = 1  # the profile's layout; steptime.Hardware.from_profile reads this one
 
@@ -179,8 +181,9 @@ class Tier:
 def tiers_of(nodes: int, procs_per_node: int, shared: bool = True) -> list[Tier]:
     """The groups each tier is measured on, ranks node-major (as fldp-train places them)."""
     out = []
-    if procs_per_node > 1:
-        out.append(Tier("node", (tuple(range(procs_per_node)),), "the ranks of node 0"))
+    if procs_per_node > 1:  # every node's at once, as a run's groups run theirs (on CPU they share cores)
+        nodes_ranks = tuple(tuple(range(k * procs_per_node, (k + 1) * procs_per_node)) for k in range(nodes))
+        out.append(Tier("node", nodes_ranks, "the ranks of each node, every node at once"))
     if nodes > 1:
         leaders = tuple(k * procs_per_node for k in range(nodes))
         out.append(Tier("inter-node", (leaders,), "one rank per node"))
@@ -333,20 +336,38 @@ def _whole_model(config, dtype, batch: int, seq: int, settings: Settings, device
 
 
 def trainer_step(cfg, vocab_size: int, settings: Settings, device) -> dict:
-    """The trainer's own step on one rank, every rank at once: the model as fldp.trainer shards it
-    (FSDP2 over a one-rank mesh: F = the world, each rank its own group, as an 8x1x1 run) and the
-    run's optimizer; forward (with the loss), backward and the optimizer timed as fldp.step.TrainStep
+    """The trainer's own step, every rank at once: the model as fldp.trainer shards it and the run's
+    optimizer; forward (with the loss), backward and the optimizer timed as fldp.step.TrainStep
     times them (median after warm-up). It holds what the bare model's step does not: FSDP2's hooks,
-    DTensor parameters and an optimizer over them. A collective over every rank (the mesh)."""
+    DTensor parameters and an optimizer over them. Twice: `step_*` on a one-rank mesh (F = the
+    world, each rank its own group, as an 8x1x1 run), and `sharded_step_*` sharded over each node's
+    ranks (F = the nodes, S = procs_per_node, as a 2x1x4 run on 2 nodes of 4), which holds FSDP2's
+    collectives inside a node and the optimizer on 1/S of the model (steptime.sharded_terms)."""
+    import torch.distributed as dist
+
+    from .mesh import MeshShape
+
+    world, per_node = dist.get_world_size(), int(cfg.topology.procs_per_node)
+    out = _timed_step(cfg, vocab_size, settings, device, MeshShape(world, 1, 1), "step")
+    if per_node > 1 and world % per_node == 0:
+        out.update(
+            _timed_step(cfg, vocab_size, settings, device, MeshShape(world // per_node, 1, per_node), "sharded_step")
+        )
+        out["sharded_shard"] = per_node
+    return out
+
+
+def _timed_step(cfg, vocab_size: int, settings: Settings, device, shape, name: str) -> dict:
+    """trainer_step's measurement on one mesh: `{name}_{phase}_s` and `{name}_laps_s`."""
     import torch
     import torch.distributed as dist
 
     from .config import OptimizerConfig, typed
-    from .mesh import MeshShape, build_mesh, group_mesh
+    from .mesh import build_mesh, group_mesh
     from .step import PhaseTimer
     from .trainer import build_optimizer, sharded_model
 
-    shape = MeshShape(dist.get_world_size(), 1, 1)
+    torch.manual_seed(0)
     model = sharded_model(cfg, vocab_size, group_mesh(build_mesh(shape, device.type), shape), device)
     optimizer = build_optimizer(model, typed(OptimizerConfig, cfg.optimizer, "optimizer"))
     batch, seq = int(cfg.trainer.batch_size), int(cfg.dataset.block_size)
@@ -365,8 +386,8 @@ def trainer_step(cfg, vocab_size: int, settings: Settings, device) -> dict:
         laps.append(timer.times)
     kept = laps[settings.warmup :]
     return {
-        **{f"step_{p}_s": statistics.median(t[p] for t in kept) for p in ("forward", "backward", "optimizer")},
-        "step_laps_s": [sum(t.values()) for t in kept],  # for the slowest rank's (_median_over_ranks)
+        **{f"{name}_{p}_s": statistics.median(t[p] for t in kept) for p in STEP_PHASES},
+        f"{name}_laps_s": [sum(t.values()) for t in kept],  # for the slowest rank's (_median_over_ranks)
     }
 
 
@@ -393,10 +414,12 @@ def _median_over_ranks(computed: list[dict]) -> dict:
     """The ranks' compute measurements as one: each time and rate the median rank's; and
     `step_slowest_s`, each repetition's trainer step of its slowest rank, median over repetitions:
     what a run records as its step (fldp.step.step_row's time_step), where the median rank is not."""
-    laps = [c.pop("step_laps_s") for c in computed if "step_laps_s" in c]
-    out = dict(computed[0], ranks_at_once=len(computed))
-    if laps:
-        out["step_slowest_s"] = statistics.median(max(rep) for rep in zip(*laps))
+    slowest = {}
+    for name in ("step", "sharded_step"):
+        laps = [c.pop(f"{name}_laps_s") for c in computed if f"{name}_laps_s" in c]
+        if laps:
+            slowest[f"{name}_slowest_s"] = statistics.median(max(rep) for rep in zip(*laps))
+    out = dict(computed[0], ranks_at_once=len(computed), **slowest)
     for key in (
         "layer_forward_s",
         "layer_train_s",
@@ -411,6 +434,7 @@ def _median_over_ranks(computed: list[dict]) -> dict:
         "step_optimizer_s",
         "flop_s_step",
         "optimizer_bytes_s_step",
+        *(f"sharded_step_{p}_s" for p in STEP_PHASES),
     ):
         if key in out:
             out[key] = statistics.median(c[key] for c in computed)
@@ -441,6 +465,7 @@ def profile(cfg, settings: Settings, tiers: list[Tier], measured: dict, compute:
     """What fldp-calibrate writes: the machine, the compute, each tier's fit and its table."""
     from .netns import from_config
     from .provenance import source_commit
+    from .steptime import sharded_terms, workload_for
 
     out_tiers = {}
     for tier in tiers:
@@ -458,7 +483,7 @@ def profile(cfg, settings: Settings, tiers: list[Tier], measured: dict, compute:
         }
     network = from_config(cfg)
     t = cfg.topology
-    return {
+    out = {
         "format": FORMAT,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": source_commit(),
@@ -470,6 +495,9 @@ def profile(cfg, settings: Settings, tiers: list[Tier], measured: dict, compute:
         "compute": compute,
         "tiers": out_tiers,
     }
+    # the sharded step against the model's terms: the optimizer's fixed part, FSDP2's own work
+    out["compute"] = {**compute, **sharded_terms(out, workload_for(cfg))}
+    return out
 
 
 def _machine(cfg, backend: str) -> dict:
@@ -606,6 +634,8 @@ def print_profile(prof: dict, out: str, took_s: float) -> None:
         f"compute, one decoder layer on {c['tokens_per_rank']} tokens per rank: "
         f"forward {c['flop_s_forward'] / 1e9:.3g} GFLOP/s, forward + backward {c['flop_s_train'] / 1e9:.3g} GFLOP/s"
     )
+    if "step_forward_s" in c:
+        console.print(_step_line(c))
     fits = Table(title="Collectives: t = steps x alpha + bytes per rank / beta", box=box.SIMPLE_HEAD)
     for header in ("tier", "ranks x groups", "alpha [us]", "beta [MB/s per rank]", "residual [%]"):
         fits.add_column(header, justify="left" if header == "tier" else "right")
@@ -627,6 +657,20 @@ def print_profile(prof: dict, out: str, took_s: float) -> None:
             table.add_row(str(tier["measured"][KINDS[0]][i][0]), *[f"{tier['measured'][k][i][1]:.4g}" for k in KINDS])
         console.print(table)
     console.print(f"profile: {out} (use it with +topology.profile={out})")
+
+
+def _step_line(c: dict) -> str:
+    """The trainer's step as calibrated: its phases, and what the sharded one adds."""
+    line = "trainer step, median rank: " + ", ".join(f"{p} {c[f'step_{p}_s'] * 1e3:.3g} ms" for p in STEP_PHASES)
+    if "sharded_step_forward_s" in c:
+        line += (
+            f"\nsharded over {c['sharded_shard']} ranks: "
+            + ", ".join(f"{p} {c[f'sharded_step_{p}_s'] * 1e3:.3g} ms" for p in STEP_PHASES)
+            + f"\n  optimizer {c['optimizer_fixed_s'] * 1e3:.3g} ms fixed + the shard's bytes at "
+            f"{c['optimizer_bytes_s_fit'] / 1e6:.4g} MB/s; FSDP2's own work per unit and collective: "
+            f"forward {c['fsdp_forward_s'] * 1e3:.3g} ms, backward {c['fsdp_backward_s'] * 1e3:.3g} ms"
+        )
+    return line
 
 
 if __name__ == "__main__":

@@ -16,7 +16,10 @@ Terms, per GPU and step:
   or its share of the node's NICs when more flows cross at once (the node's 400 Gbit/s shared by
   its 4 GPUs), times an efficiency that falls with the nodes the collective spans:
   `network` x nodes^-`span` (MiCS: collectives over more nodes reach less of the link);
-- the optimizer: AdamW reads parameters, gradients and two moments and writes three, at HBM speed;
+- FSDP2's own work per unit and collective beyond the collective (copies in and out, hooks), where
+  calibrated (Hardware.fsdp_forward, fsdp_backward: sharded_terms);
+- the optimizer: AdamW reads parameters, gradients and two moments and writes three, at HBM speed,
+  plus, where calibrated, a fixed part whatever the shard's size (Hardware.optimizer_fixed);
 - the aggregation: the federated shards' all-reduce over the groups every A steps, amortised (FedAvg's
   leader_broadcast: replica 0's groups alone cross, then each broadcasts to its replicas).
 The free terms (`Efficiency`) are fitted to measured phase times (analysis/steptime_fit.py). A
@@ -56,6 +59,14 @@ class Hardware:
     # collectives run beside compute (a GPU: NCCL on its own streams); ranks that share too few CPU
     # cores pay gloo's sends and reductions on the cores their compute needs, so the two add
     overlap: bool = True
+    # measured by fldp-calibrate (Hardware.from_profile, sharded_terms), none in published figures:
+    # forward's share of a step's compute (FLOPs: 1/3), seconds of an optimizer step whatever the
+    # shard's size (a step per parameter tensor), and seconds FSDP2 spends per unit and collective
+    # beyond the collective itself (its copies in and out, hooks) in forward and in backward
+    forward_share: float = 1 / 3
+    optimizer_fixed: float = 0.0
+    fsdp_forward: float = 0.0
+    fsdp_backward: float = 0.0
 
     @classmethod
     def from_profile(cls, profile: dict, base: Hardware | None = None) -> Hardware:
@@ -78,6 +89,11 @@ class Hardware:
         found: dict = {"peak_flops": rate, "gpus_per_node": ranks}
         if "optimizer_bytes_s" in compute:
             found["hbm"] = compute.get("optimizer_bytes_s_step", compute["optimizer_bytes_s"]) / slowest
+        if "step_forward_s" in compute:
+            found["forward_share"] = compute["step_forward_s"] / (
+                compute["step_forward_s"] + compute["step_backward_s"]
+            )
+        found.update({field: compute[key] for key, field in SHARDED_TERMS.items() if key in compute})
         machine = profile.get("machine") or {}
         found["backend"] = machine.get("backend", base.backend)
         found["overlap"] = overlaps(profile["topology"].get("device", "cuda"), machine.get("cpus"), compute)
@@ -90,13 +106,51 @@ class Hardware:
         return replace(base, **found)
 
 
-def slowest_rank(compute: dict) -> float:
-    """How much longer the slowest rank's trainer step took than the median rank's (>= 1; 1 where
-    the profile has no `step_slowest_s`)."""
-    if "step_slowest_s" not in compute:
+def slowest_rank(compute: dict, name: str = "step") -> float:
+    """How much longer the slowest rank's trainer step (`name`: step, or sharded_step) took than the
+    median rank's (>= 1; 1 where the profile has no `{name}_slowest_s`)."""
+    if f"{name}_slowest_s" not in compute:
         return 1.0
-    median = sum(compute[f"step_{p}_s"] for p in ("forward", "backward", "optimizer"))
-    return max(1.0, compute["step_slowest_s"] / median)
+    median = sum(compute[f"{name}_{p}_s"] for p in ("forward", "backward", "optimizer"))
+    return max(1.0, compute[f"{name}_slowest_s"] / median)
+
+
+# sharded_terms' keys in a profile's compute: Hardware's fields
+SHARDED_TERMS = {
+    "optimizer_fixed_s": "optimizer_fixed",
+    "optimizer_bytes_s_fit": "hbm",
+    "fsdp_forward_s": "fsdp_forward",
+    "fsdp_backward_s": "fsdp_backward",
+}
+
+
+def sharded_terms(profile: dict, work: Workload) -> dict:
+    """What the trainer's step sharded over a node's P ranks (fldp-calibrate's sharded_step_*) adds
+    to the one-rank step, each as its slowest rank's: the optimizer's time t(S) = fixed + per-byte
+    part / S through the two steps' (S = 1 and P), and FSDP2's seconds per unit and collective
+    beyond the model's terms: the sharded step's forward and backward less their prediction (the
+    profile's rates and node tier), over its gathers (forward: every unit) and its gathers and
+    reductions (backward: every layer's two, the root's reduction). {} without a sharded step."""
+    compute = profile["compute"]
+    if "sharded_step_forward_s" not in compute:
+        return {}
+    from .mesh import MeshShape
+
+    P, plain = int(compute["sharded_shard"]), slowest_rank(compute)
+    shape = MeshShape(profile["topology"]["nodes"] * profile["topology"]["procs_per_node"] // P, 1, P)
+    sharded = slowest_rank(compute, "sharded_step")
+    one, many = compute["step_optimizer_s"] * plain, compute["sharded_step_optimizer_s"] * sharded
+    per_byte = min(one, max(0.0, (one - many) * P / (P - 1)))  # the part that 1/S of the model takes
+    hw = Hardware.from_profile({**profile, "compute": {k: v for k, v in compute.items() if k not in SHARDED_TERMS}})
+    predicted = phases(work, shape, None, hw, MEASURED)
+    layers = len(work.unit_bytes) - 1
+    return {
+        "optimizer_fixed_s": one - per_byte,
+        "optimizer_bytes_s_fit": 7 * sum(work.unit_bytes) / per_byte if per_byte > 0 else math.inf,
+        "fsdp_forward_s": max(0.0, compute["sharded_step_forward_s"] * sharded - predicted["forward"]) / (layers + 1),
+        "fsdp_backward_s": max(0.0, compute["sharded_step_backward_s"] * sharded - predicted["backward"])
+        / (2 * layers + 1),
+    }
 
 
 def overlaps(device: str, cpus: int | None, compute: dict) -> bool:
@@ -257,8 +311,9 @@ def phases(
 
     tree = hw.backend == "nccl"
 
-    compute = work.flops_per_token * work.tokens / (hw.peak_flops * eff.compute)
-    per_layer = compute / len(layers)
+    # forward + backward: 3 x forward's FLOPs, split as the machine splits them (FLOPs: 1/3 forward)
+    compute = 3 * work.flops_per_token * work.tokens / (hw.peak_flops * eff.compute)
+    per_layer, per_layer_back = (compute * share / len(layers) for share in (hw.forward_share, 1 - hw.forward_share))
     beside = max if hw.overlap else operator.add  # a layer's compute and its collectives
     forward = gather(root) + sum(beside(per_layer, gather(u)) for u in layers)
 
@@ -269,10 +324,13 @@ def phases(
             return max(gather(unit), scatter(unit) + replicas(unit))
         return gather(unit) + scatter(unit) + replicas(unit)
 
-    backward = sum(beside(2 * per_layer, collectives(u)) for u in layers)
+    backward = sum(beside(per_layer_back, collectives(u)) for u in layers)
     backward += scatter(root) + replicas(root)
+    if S > 1:  # FSDP2's own work per collective: every unit gathered in forward; in backward each
+        forward += hw.fsdp_forward * len(work.unit_bytes)  # layer gathered and reduced, the root reduced
+        backward += hw.fsdp_backward * (2 * len(layers) + 1)
     shard_bytes = sum(work.unit_bytes) / S
-    optimizer = 7 * shard_bytes / hw.hbm  # AdamW: reads 4 tensors of the shard, writes 3
+    optimizer = hw.optimizer_fixed + 7 * shard_bytes / hw.hbm  # AdamW: reads 4 tensors of the shard, writes 3
     aggregation = 0.0
     if every and shape.federation > 1:
         leads = leaders and R > 1

@@ -22,6 +22,7 @@ from conftest import ROOT, compose_cfg, needs_netns
 from fldp import netns
 from fldp.calibrate import KINDS, Settings, fit, rows_of, settings_of, tiers_of, wire
 from fldp.errors import ConfigError
+from fldp.mesh import MeshShape
 from fldp.schema import check
 from fldp.steptime import MEASURED, Hardware, dim_link, hardware_for
 
@@ -77,7 +78,7 @@ def test_gloo_s_reduce_scatter_is_fitted_as_the_all_reduce_it_is():
 def test_tiers_inside_a_node_across_nodes_and_sharing_the_node_s_link():
     names = lambda tiers: {t.name: t.groups for t in tiers}
     assert names(tiers_of(2, 4)) == {
-        "node": ((0, 1, 2, 3),),
+        "node": ((0, 1, 2, 3), (4, 5, 6, 7)),  # every node at once, as a run's groups
         "inter-node": ((0, 4),),
         "inter-node-shared": ((0, 4), (1, 5), (2, 6), (3, 7)),
     }
@@ -141,6 +142,10 @@ def test_the_installed_command_writes_a_profile_of_the_machine(local_profile):
     assert all(compute[f"step_{p}_s"] > 0 for p in ("forward", "backward", "optimizer"))
     assert compute["flop_s_step"] > 1e6 and compute["optimizer_bytes_s_step"] > 1e6
     assert compute["step_slowest_s"] > 0 and "step_laps_s" not in compute  # the laps are not the profile's
+    # and sharded over the node's 2 ranks: the optimizer's fixed part and FSDP2's own work from it
+    assert compute["sharded_shard"] == 2 and compute["sharded_step_slowest_s"] > 0
+    assert all(compute[f"sharded_step_{p}_s"] > 0 for p in ("forward", "backward", "optimizer"))
+    assert compute["optimizer_fixed_s"] >= 0 and compute["fsdp_forward_s"] >= 0 and compute["fsdp_backward_s"] >= 0
     assert prof["machine"]["torch"] and prof["machine"]["backend"] == "gloo" and prof["date"]
 
 
@@ -158,7 +163,12 @@ def test_a_topology_uses_the_profile(local_profile):
         1.0, compute["step_slowest_s"] / sum(compute[f"step_{p}_s"] for p in ("forward", "backward", "optimizer"))
     )
     assert hw.peak_flops == pytest.approx(compute["flop_s_step"] / slowest)
-    assert hw.hbm == pytest.approx(compute["optimizer_bytes_s_step"] / slowest)
+    assert (
+        hw.hbm == pytest.approx(compute["optimizer_bytes_s_fit"]) and hw.optimizer_fixed == compute["optimizer_fixed_s"]
+    )
+    assert hw.forward_share == pytest.approx(
+        compute["step_forward_s"] / (compute["step_forward_s"] + compute["step_backward_s"])
+    )
     assert hw.gpus_per_node == 2 and hw.backend == "gloo"
 
     class Shape:  # FSDP over the node's 2 ranks
@@ -236,3 +246,41 @@ def test_a_run_s_step_is_its_slowest_rank_s_so_the_profile_keeps_that_rank_s():
     profile = {"format": 1, "topology": {"procs_per_node": 2, "device": "cpu"}, "compute": compute}
     slowed, as_median = Hardware.from_profile(profile), Hardware.from_profile({**profile, "compute": step})
     assert slowed.peak_flops == pytest.approx(as_median.peak_flops / 2) == pytest.approx(0.5e9)
+
+
+def test_the_calibrated_model_gives_back_the_two_steps_it_was_calibrated_on():
+    """fldp-calibrate times the trainer's step on a one-rank mesh and sharded over a node's P ranks;
+    the optimizer's t(S) = fixed + per-byte / S passes through both (worked by hand here), and
+    FSDP2's own seconds per collective make the sharded forward and backward what was measured."""
+    from fldp.steptime import Workload, phases, sharded_terms
+
+    work = Workload(unit_bytes=(1e5, 1e5, 4e5), flops_per_token=1e6, tokens=256)  # 2 layers, the root
+    compute = {
+        "flop_s_step": 3 * 1e6 * 256 / 0.09,  # forward + backward at S = 1: 0.09 s
+        "flop_s_train": 1e9,
+        "optimizer_bytes_s": 1e9,
+        "step_forward_s": 0.03,
+        "step_backward_s": 0.06,
+        "step_optimizer_s": 0.04,
+        "sharded_shard": 4,
+        "sharded_step_forward_s": 0.08,
+        "sharded_step_backward_s": 0.1,
+        "sharded_step_optimizer_s": 0.016,
+    }
+    profile = {
+        "format": 1,
+        "topology": {"nodes": 2, "procs_per_node": 4, "device": "cpu"},
+        "tiers": {"node": {"alpha_s": 1e-3, "beta_bytes_s": 5e8}},
+        "compute": compute,
+    }
+    terms = sharded_terms(profile, work)
+    # 0.04 = f + b and 0.016 = f + b / 4: b = 0.032, f = 0.008
+    assert terms["optimizer_fixed_s"] == pytest.approx(0.008)
+    assert terms["optimizer_bytes_s_fit"] == pytest.approx(7 * 6e5 / 0.032)
+    hw = Hardware.from_profile({**profile, "compute": {**compute, **terms}})
+    one = phases(work, MeshShape(8, 1, 1), None, hw, MEASURED)
+    node = phases(work, MeshShape(2, 1, 4), None, hw, MEASURED)
+    assert (one["forward"], one["backward"], one["optimizer"]) == pytest.approx((0.03, 0.06, 0.04))
+    assert (node["forward"], node["backward"], node["optimizer"]) == pytest.approx((0.08, 0.1, 0.016))
+    assert terms["fsdp_forward_s"] > 0 and terms["fsdp_backward_s"] > 0
+    assert sharded_terms({**profile, "compute": {k: v for k, v in compute.items() if "sharded" not in k}}, work) == {}
