@@ -367,7 +367,6 @@ def _timed_step(cfg, vocab_size: int, settings: Settings, device, shape, name: s
     from .step import PhaseTimer
     from .trainer import build_optimizer, sharded_model
 
-    torch.manual_seed(0)
     model = sharded_model(cfg, vocab_size, group_mesh(build_mesh(shape, device.type), shape), device)
     optimizer = build_optimizer(model, typed(OptimizerConfig, cfg.optimizer, "optimizer"))
     batch, seq = int(cfg.trainer.batch_size), int(cfg.dataset.block_size)
