@@ -143,14 +143,20 @@ def sharded_terms(profile: dict, work: Workload) -> dict:
     per_byte = min(one, max(0.0, (one - many) * P / (P - 1)))  # the part that 1/S of the model takes
     hw = Hardware.from_profile({**profile, "compute": {k: v for k, v in compute.items() if k not in SHARDED_TERMS}})
     predicted = phases(work, shape, None, hw, MEASURED)
-    layers = len(work.unit_bytes) - 1
+    forward, backward = fsdp_collectives(work)
     return {
         "optimizer_fixed_s": one - per_byte,
         "optimizer_bytes_s_fit": 7 * sum(work.unit_bytes) / per_byte if per_byte > 0 else math.inf,
-        "fsdp_forward_s": max(0.0, compute["sharded_step_forward_s"] * sharded - predicted["forward"]) / (layers + 1),
-        "fsdp_backward_s": max(0.0, compute["sharded_step_backward_s"] * sharded - predicted["backward"])
-        / (2 * layers + 1),
+        "fsdp_forward_s": max(0.0, compute["sharded_step_forward_s"] * sharded - predicted["forward"]) / forward,
+        "fsdp_backward_s": max(0.0, compute["sharded_step_backward_s"] * sharded - predicted["backward"]) / backward,
     }
+
+
+def fsdp_collectives(work: Workload) -> tuple[int, int]:
+    """FSDP2's collectives in a sharded step's forward (every unit gathered) and backward (each
+    layer gathered and reduced, the root, held since forward, reduced)."""
+    units = len(work.unit_bytes)
+    return units, 2 * (units - 1) + 1
 
 
 def overlaps(device: str, cpus: int | None, compute: dict) -> bool:
@@ -326,9 +332,10 @@ def phases(
 
     backward = sum(beside(per_layer_back, collectives(u)) for u in layers)
     backward += scatter(root) + replicas(root)
-    if S > 1:  # FSDP2's own work per collective: every unit gathered in forward; in backward each
-        forward += hw.fsdp_forward * len(work.unit_bytes)  # layer gathered and reduced, the root reduced
-        backward += hw.fsdp_backward * (2 * len(layers) + 1)
+    if S > 1:  # FSDP2's own work per collective
+        in_forward, in_backward = fsdp_collectives(work)
+        forward += hw.fsdp_forward * in_forward
+        backward += hw.fsdp_backward * in_backward
     shard_bytes = sum(work.unit_bytes) / S
     optimizer = hw.optimizer_fixed + 7 * shard_bytes / hw.hbm  # AdamW: reads 4 tensors of the shard, writes 3
     aggregation = 0.0
