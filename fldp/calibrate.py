@@ -25,8 +25,8 @@ It writes a profile (YAML; calibrate.out, else profile.yaml in a new outputs/DAT
 prints it as tables. A topology uses it with topology.profile=PATH (steptime.Hardware.from_profile).
 cluster=slurm submits the same measurement as one SLURM job of the topology's shape.
 
-calibrate.* keys: out (path), sizes (bytes, a list), repeats (>= 1), warmup (>= 0), shared (bool:
-the inter-node-shared tier)."""
+calibrate.* keys: out (path), sizes (bytes, a list), repeats (>= 1; step_repeats >= 1 for the
+trainer's step), warmup (>= 0), shared (bool: the inter-node-shared tier)."""
 
 from __future__ import annotations
 
@@ -61,6 +61,7 @@ class Settings:
     out: str | None = None
     sizes: tuple[int, ...] = DEFAULT_SIZES
     repeats: int = 5
+    step_repeats: int = 15  # the trainer's step: cheap, and steptime.sharded_terms divides its differences
     warmup: int = 2
     shared: bool = True
 
@@ -76,6 +77,7 @@ _CHECKS = {
         lambda v: v and all(_is_int(s) and s >= 4 for s in v),
     ),
     "repeats": ("an integer >= 1", lambda v: _is_int(v) and v >= 1),
+    "step_repeats": ("an integer >= 1", lambda v: _is_int(v) and v >= 1),
     "warmup": ("an integer >= 0", lambda v: _is_int(v) and v >= 0),
     "shared": ("true or false", lambda v: isinstance(v, bool)),
 }
@@ -338,30 +340,40 @@ def _whole_model(config, dtype, batch: int, seq: int, settings: Settings, device
 def trainer_step(cfg, vocab_size: int, settings: Settings, device) -> dict:
     """The trainer's own step, every rank at once: the model as fldp.trainer shards it and the run's
     optimizer; forward (with the loss), backward and the optimizer timed as fldp.step.TrainStep
-    times them (median after warm-up). It holds what the bare model's step does not: FSDP2's hooks,
-    DTensor parameters and an optimizer over them. Twice: `step_*` on a one-rank mesh (F = the
-    world, each rank its own group, as an 8x1x1 run), and `sharded_step_*` sharded over each node's
-    ranks (F = the nodes, S = procs_per_node, as a 2x1x4 run on 2 nodes of 4), which holds FSDP2's
-    collectives inside a node and the optimizer on 1/S of the model (steptime.sharded_terms)."""
+    times them (median of calibrate.step_repeats after warm-up). It holds what the bare model's step
+    does not: FSDP2's hooks, DTensor parameters and an optimizer over them. On two meshes: `step_*`
+    one rank each (F = the world, each rank its own group, as an 8x1x1 run), and `sharded_step_*`
+    sharded over each node's ranks (F = the nodes, S = procs_per_node, as a 2x1x4 run on 2 nodes of
+    4), which holds FSDP2's collectives inside a node and the optimizer on 1/S of the model
+    (steptime.sharded_terms). Their repetitions alternate: steptime.sharded_terms works from the
+    two steps' difference, which a machine whose speed drifts (a shared VM) would otherwise move."""
+    import torch
     import torch.distributed as dist
 
     from .mesh import MeshShape
 
     world, per_node = dist.get_world_size(), int(cfg.topology.procs_per_node)
-    out = _timed_step(cfg, vocab_size, settings, device, MeshShape(world, 1, 1), "step")
+    shapes = {"step": MeshShape(world, 1, 1)}
     if per_node > 1 and world % per_node == 0:
-        out.update(
-            _timed_step(cfg, vocab_size, settings, device, MeshShape(world // per_node, 1, per_node), "sharded_step")
-        )
-        out["sharded_shard"] = per_node
+        shapes["sharded_step"] = MeshShape(world // per_node, 1, per_node)
+    steps = {name: _step_of(cfg, vocab_size, shape, device) for name, shape in shapes.items()}
+    ids = torch.randint(vocab_size, (int(cfg.trainer.batch_size), int(cfg.dataset.block_size)), device=device)
+    laps: dict[str, list[dict]] = {name: [] for name in steps}
+    for _ in range(settings.warmup + settings.step_repeats):
+        for name, step in steps.items():
+            dist.barrier()  # each step starts together, as a run's do after their records' all-gather
+            laps[name].append(step(ids))
+    out: dict = {"sharded_shard": per_node} if "sharded_step" in steps else {}
+    for name, taken in laps.items():
+        kept = taken[settings.warmup :]
+        out.update({f"{name}_{p}_s": statistics.median(t[p] for t in kept) for p in STEP_PHASES})
+        out[f"{name}_laps_s"] = [sum(t.values()) for t in kept]  # for the slowest rank's (_median_over_ranks)
     return out
 
 
-def _timed_step(cfg, vocab_size: int, settings: Settings, device, shape, name: str) -> dict:
-    """trainer_step's measurement on one mesh: `{name}_{phase}_s` and `{name}_laps_s`."""
-    import torch
-    import torch.distributed as dist
-
+def _step_of(cfg, vocab_size: int, shape, device):
+    """The trainer's model on `shape` and the run's optimizer: a function of the tokens that takes
+    one step and gives its phases' seconds, timed as fldp.step.TrainStep times them."""
     from .config import OptimizerConfig, typed
     from .mesh import build_mesh, group_mesh
     from .step import PhaseTimer
@@ -369,11 +381,9 @@ def _timed_step(cfg, vocab_size: int, settings: Settings, device, shape, name: s
 
     model = sharded_model(cfg, vocab_size, group_mesh(build_mesh(shape, device.type), shape), device)
     optimizer = build_optimizer(model, typed(OptimizerConfig, cfg.optimizer, "optimizer"))
-    batch, seq = int(cfg.trainer.batch_size), int(cfg.dataset.block_size)
-    ids = torch.randint(vocab_size, (batch, seq), device=device)
-    timer, laps = PhaseTimer(device), []
-    for _ in range(settings.warmup + settings.repeats):
-        dist.barrier()  # each step starts together, as a run's do after their records' all-gather
+    timer = PhaseTimer(device)
+
+    def step(ids) -> dict:
         timer.start()
         loss = model(input_ids=ids, labels=ids).loss
         timer.lap("forward")
@@ -382,12 +392,9 @@ def _timed_step(cfg, vocab_size: int, settings: Settings, device, shape, name: s
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         timer.lap("optimizer")
-        laps.append(timer.times)
-    kept = laps[settings.warmup :]
-    return {
-        **{f"{name}_{p}_s": statistics.median(t[p] for t in kept) for p in STEP_PHASES},
-        f"{name}_laps_s": [sum(t.values()) for t in kept],  # for the slowest rank's (_median_over_ranks)
-    }
+        return timer.times
+
+    return step
 
 
 def _head_and_optimizer(layer, x, config, settings: Settings, device) -> tuple[float, float]:
@@ -490,7 +497,7 @@ def profile(cfg, settings: Settings, tiers: list[Tier], measured: dict, compute:
         "topology": {"name": t.name, "nodes": t.nodes, "procs_per_node": t.procs_per_node, "device": t.device},
         "emulated_link": network.describe() if network else None,
         "model": {"name": cfg.model.name, "precision": cfg.trainer.precision},
-        "settings": {"repeats": settings.repeats, "warmup": settings.warmup},
+        "settings": {"repeats": settings.repeats, "step_repeats": settings.step_repeats, "warmup": settings.warmup},
         "compute": compute,
         "tiers": out_tiers,
     }

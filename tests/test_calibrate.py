@@ -26,7 +26,7 @@ from fldp.mesh import MeshShape
 from fldp.schema import check
 from fldp.steptime import MEASURED, Hardware, dim_link, hardware_for
 
-QUICK = ["model=tiny_llama", "calibrate.repeats=3", "calibrate.warmup=1"]
+QUICK = ["model=tiny_llama", "calibrate.repeats=3", "calibrate.step_repeats=3", "calibrate.warmup=1"]
 
 
 def command(tmp_path: Path) -> list[str]:
@@ -94,11 +94,44 @@ def test_settings_are_checked_and_the_rest_goes_to_hydra():
         ("calibrate.sizes=[-4]", "calibrate.sizes=[-4]: must be a list of message sizes"),
         ("calibrate.sizes=[]", "must be a list"),
         ("calibrate.repeats=0", "an integer >= 1"),
+        ("calibrate.step_repeats=0", "an integer >= 1"),
         ("calibrate.shared=maybe", "true or false"),
         ("calibrate.size=[4096]", "did you mean calibrate.sizes?"),
     ):
         with pytest.raises(ConfigError, match=re.escape(says)):
             settings_of([bad])
+
+
+def test_the_trainer_steps_on_the_two_meshes_alternate(monkeypatch):
+    """sharded_terms works from the two steps' difference: their repetitions alternate, so a drift
+    of the machine's speed moves both alike (a step function stands in for each mesh's model)."""
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+
+    from fldp import calibrate as calibrate_module
+
+    order: list[str] = []
+
+    def step_of(cfg, vocab_size, shape, device):
+        name = "sharded" if shape.shard > 1 else "one"
+        phases = {"one": (1.0, 2.0, 3.0), "sharded": (2.0, 3.0, 1.0)}[name]
+
+        def step(ids):
+            order.append(name)
+            return dict(zip(("forward", "backward", "optimizer"), phases))
+
+        return step
+
+    monkeypatch.setattr(calibrate_module, "_step_of", step_of)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 4)
+    monkeypatch.setattr(dist, "barrier", lambda: None)
+    cfg = OmegaConf.create(
+        {"topology": {"procs_per_node": 2}, "trainer": {"batch_size": 1}, "dataset": {"block_size": 4}}
+    )
+    out = calibrate_module.trainer_step(cfg, 10, Settings(step_repeats=3, warmup=1), "cpu")
+    assert order == ["one", "sharded"] * 4  # one warm-up, then 3 repetitions, each on both meshes
+    assert out["step_laps_s"] == [6.0] * 3 and out["sharded_step_laps_s"] == [6.0] * 3
+    assert (out["step_forward_s"], out["sharded_step_forward_s"], out["sharded_shard"]) == (1.0, 2.0, 2)
 
 
 @pytest.mark.parametrize(
