@@ -47,9 +47,9 @@ import numpy as np
 import yaml
 
 from .errors import ConfigError, Interrupted, WorkerError, parsed_or_exit, tool_arguments
+from .steptime import STEP_PHASES
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
-STEP_PHASES = ("forward", "backward", "optimizer")  # what trainer_step times
 DEFAULT_SIZES = tuple(4096 * 4**k for k in range(7))  # 4 KiB .. 16 MiB, x4
 FORMAT = 1  # the profile's layout; steptime.Hardware.from_profile reads this one
 

@@ -85,7 +85,7 @@ class Hardware:
         # the trainer's own step's rate where measured, else the bare whole model's, else one layer's;
         # slowed to its slowest rank's (a run's step is that rank's), where measured
         slowest = slowest_rank(compute)
-        rate = compute.get("flop_s_step", compute.get("flop_s_model", compute["flop_s_train"])) / slowest
+        rate = next(compute[k] for k in ("flop_s_step", "flop_s_model", "flop_s_train") if k in compute) / slowest
         found: dict = {"peak_flops": rate, "gpus_per_node": ranks}
         if "optimizer_bytes_s" in compute:
             found["hbm"] = compute.get("optimizer_bytes_s_step", compute["optimizer_bytes_s"]) / slowest
@@ -106,12 +106,15 @@ class Hardware:
         return replace(base, **found)
 
 
+STEP_PHASES = ("forward", "backward", "optimizer")  # the trainer's step as fldp-calibrate times it
+
+
 def slowest_rank(compute: dict, name: str = "step") -> float:
     """How much longer the slowest rank's trainer step (`name`: step, or sharded_step) took than the
     median rank's (>= 1; 1 where the profile has no `{name}_slowest_s`)."""
     if f"{name}_slowest_s" not in compute:
         return 1.0
-    median = sum(compute[f"{name}_{p}_s"] for p in ("forward", "backward", "optimizer"))
+    median = sum(compute[f"{name}_{p}_s"] for p in STEP_PHASES)
     return max(1.0, compute[f"{name}_slowest_s"] / median)
 
 
