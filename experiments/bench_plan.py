@@ -6,14 +6,16 @@ profile's hardware, steptime.MEASURED) and run, its step time measured as bench_
 Repeats are interleaved over the layouts, so load on this shared machine hits them alike.
 
     python experiments/bench_plan.py [--topologies netns_4x2] [--mbit 50,200] [--every 4,8]
-        [--steps 12] [--repeats 3] [--out experiments/plan] [--layouts 8x1x1,1x1x8] [OVERRIDES]
+        [--steps 12] [--repeats 3] [--out experiments/plan] [--layouts 8x1x1,1x1x8] [--recheck] [OVERRIDES]
 
 It writes OUT/profile_TOPOLOGY_MBIT.yaml (fldp-calibrate's), and OUT/results.csv, one row per layout: topology, link_mbit, F, R, S, A, predicted_s,
 measured_s (mean over repeats) and its 95% t-interval (measured_low, measured_high), the relative
 error and the repeats' times, then each phase predicted and measured (the slowest rank's
 phases, as fldp.step records them: critical_*); and prints each setting's summary against issue 31's goals: every
 error within 15%, median within 10%, the predicted fastest within 5% of the measured fastest, and
-Spearman's rank correlation >= 0.9. Needs root and iproute2.
+Spearman's rank correlation >= 0.9. --recheck calibrates again after each setting's runs and adds
+the trainer's step before and after them (step_before_s, step_after_s): the machine's own drift.
+Needs root and iproute2.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import yaml
 from scipy import stats
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,6 +128,26 @@ def measure(setting: list[str], profile: Path, args, tmp: Path) -> list[dict]:
     return rows
 
 
+def drift(before: Path, after: Path, rows: list[dict]) -> None:
+    """--recheck: the trainer's step (its slowest rank's, one-rank and sharded meshes) calibrated
+    again after the setting's runs, beside the profile's from before them, printed and added to
+    the setting's rows (step_before_s, step_after_s): how far the machine itself drifted while the
+    layouts ran, which the model, calibrated before, cannot know."""
+    steps = {}
+    for side, path in (("before", before), ("after", after)):
+        compute = yaml.safe_load(path.read_text())["compute"]
+        steps[side] = [compute.get(f"{name}_slowest_s", float("nan")) for name in ("step", "sharded_step")]
+    for row in rows:
+        row["step_before_s"], row["step_after_s"] = (round(steps[side][0], 4) for side in ("before", "after"))
+    (one_before, sharded_before), (one_after, sharded_after) = steps["before"], steps["after"]
+    print(
+        f"  recheck: the trainer's step {one_before:.3f} s before the runs, {one_after:.3f} s after "
+        f"({one_after / one_before - 1:+.0%}); sharded {sharded_before:.3f} s, {sharded_after:.3f} s "
+        f"({sharded_after / sharded_before - 1:+.0%})",
+        flush=True,
+    )
+
+
 def shape_federates(cfg) -> bool:
     return mesh_shape(cfg).federation > 1
 
@@ -163,6 +186,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layouts", default="", help="only these FxRxS (default: all)")
     ap.add_argument("--out", default=str(ROOT / "experiments" / "plan"))
+    ap.add_argument("--recheck", action="store_true", help="calibrate again after the runs: the machine's drift")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for every run")
     args = ap.parse_args()
     args.every = [int(a) for a in args.every.split(",")]
@@ -175,6 +199,8 @@ def main() -> None:
                 setting = [f"topology={topology}", f"topology.network.1.gbit_s={mbit / 1e3:g}"]
                 profile = calibrate(setting, Path(args.out) / f"profile_{topology}_{mbit:g}.yaml")
                 found = measure(setting, profile, args, Path(tmp))
+                if args.recheck:
+                    drift(profile, calibrate(setting, Path(tmp) / "after.yaml"), found)
                 s = summary(found)
                 print(
                     f"{topology} at {mbit:g} Mbit/s: {s['layouts']} layouts, error max {s['max_error']:.0%}, "

@@ -253,6 +253,20 @@ def test_the_plan_benchmark_reduced_calibrates_the_link_and_sets_prediction_besi
     assert "netns_2x4 at 200 Mbit/s: 2 layouts" in out, out
 
 
+def test_the_plan_benchmark_s_recheck_sets_the_step_after_the_runs_beside_the_one_before(tmp_path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "experiments"))
+    from bench_plan import drift
+
+    for name, one, sharded in (("before", 0.2, 0.25), ("after", 0.23, 0.25)):
+        (tmp_path / name).write_text(
+            yaml.safe_dump({"compute": {"step_slowest_s": one, "sharded_step_slowest_s": sharded}})
+        )
+    rows = [{"F": 8}, {"F": 1}]
+    drift(tmp_path / "before", tmp_path / "after", rows)
+    assert all((r["step_before_s"], r["step_after_s"]) == (0.2, 0.23) for r in rows)
+    assert "0.200 s before the runs, 0.230 s after (+15%); sharded 0.250 s, 0.250 s (+0%)" in capsys.readouterr().out
+
+
 def test_cluster_slurm_dry_run_prints_the_one_job_and_submits_nothing(tmp_path):
     out = calibrate(tmp_path, "topology=slurm_2x4", "cluster=slurm", "cluster.dry_run=true", "calibrate.out=p.yaml")
     assert out.returncode == 0, out.stderr[-2000:]
