@@ -566,49 +566,53 @@ def _findings_md(found: pd.DataFrame, family: str) -> str:
 
 
 def report(st: Study, paper: dict, out: Path, command: str, elapsed: float | None) -> Path:
+    """The tiny study's report: its tables as CSV, its figures, and report.md."""
     out.mkdir(parents=True, exist_ok=True)
-    found = findings(st, paper)
-    lr_claims = by_lr(st, paper)
-    dr = drift(st)
-    bc = batch_control(st)
-    lrt = lr_table(st)
+    tables = {
+        "findings": findings(st, paper),
+        "findings_by_lr": by_lr(st, paper),
+        "drift": drift(st),
+        "batch_control": batch_control(st),
+        "lr": lr_table(st),
+    }
     fr, network = frontier(st)
-    for name, df in (
-        ("findings", found),
-        ("findings_by_lr", lr_claims),
-        ("drift", dr),
-        ("batch_control", bc),
-        ("lr", lrt),
-        ("frontier", fr),
-        ("runs", runs_table(st)),
-    ):
+    for name, df in {**tables, "frontier": fr, "runs": runs_table(st)}.items():
         df.to_csv(out / f"{name}.csv", index=False)
-    figs = []
     if len(fr):
         frontier_figure(fr, network).savefig(out / "frontier.png", dpi=150)
-        figs.append("frontier")
     drift_figure(st).savefig(out / "drift.png", dpi=150)
     plt.close("all")
-    seeds = st.df.groupby("algorithm")["seed"].nunique()
-    primary = found[found["family"] == "primary"]
-    few = primary["seeds"].min() < MIN_SEEDS
+    lines = [
+        *_intro_md(st, tables["findings"], command, elapsed),
+        *_by_lr_and_precision_md(st, paper, tables),
+        *_controls_and_frontier_md(st, tables, fr, network),
+        *_limitations_md(st),
+    ]
+    if st.notes:
+        lines += ["Notes:", ""] + [f"- {n}" for n in dict.fromkeys(st.notes)] + [""]
+    path = out / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def _bf16_gap(st: Study, paper: dict) -> str:
+    """Whether bf16 reduction order could make HSDP / FSDP as large as the paper's."""
     paper_gap = paper_ratio(paper, "hsdp", "fsdp")
     bf16_r = st.ratio(st.select("hsdp", precision="bf16"), st.select("fsdp", precision="bf16"))
-    gap = (
-        f"untested (fewer than {MIN_SEEDS} seeds)"
-        if bf16_r.seeds < MIN_SEEDS
-        else f"no: HSDP / FSDP in bf16 is {bf16_r.text(4)}, below the paper's {paper_gap:.2f}"
-        if bf16_r.high < paper_gap
-        else f"yes, at least: HSDP / FSDP in bf16 is {bf16_r.text(4)}, above the paper's {paper_gap:.2f}"
-        if bf16_r.low > paper_gap
-        else f"cannot be excluded: {bf16_r.text(4)} holds the paper's {paper_gap:.2f}"
-    )
-    fr_md = fr.copy()
-    if len(fr_md):
-        fr_md["train time [s]"] = fr_md["train time [s]"].map(lambda v: f"{v:.1f}")
-        fr_md["eval perplexity"] = fr_md["eval perplexity"].map(lambda v: f"{v:.1f}")
-        fr_md = fr_md.drop(columns=["/ FSDP", "low", "high"])
-    lines = [
+    if bf16_r.seeds < MIN_SEEDS:
+        return f"untested (fewer than {MIN_SEEDS} seeds)"
+    if bf16_r.high < paper_gap:
+        return f"no: HSDP / FSDP in bf16 is {bf16_r.text(4)}, below the paper's {paper_gap:.2f}"
+    if bf16_r.low > paper_gap:
+        return f"yes, at least: HSDP / FSDP in bf16 is {bf16_r.text(4)}, above the paper's {paper_gap:.2f}"
+    return f"cannot be excluded: {bf16_r.text(4)} holds the paper's {paper_gap:.2f}"
+
+
+def _intro_md(st: Study, found: pd.DataFrame, command: str, elapsed: float | None) -> list[str]:
+    """The report's head, its statistics and the primary family."""
+    seeds = st.df.groupby("algorithm")["seed"].nunique()
+    few = found[found["family"] == "primary"]["seeds"].min() < MIN_SEEDS
+    return [
         "# Which of the paper's claims survive controls: the tiny study",
         "",
         f"Generated {date.today().isoformat()} by `{command}` from {len(st.df)} runs"
@@ -651,6 +655,14 @@ def report(st: Study, paper: dict, out: Path, command: str, elapsed: float | Non
         "",
         _findings_md(found, "primary"),
         "",
+    ]
+
+
+def _by_lr_and_precision_md(st: Study, paper: dict, tables: dict) -> list[str]:
+    """The claims by lr, the exploratory comparisons and the precision drift."""
+    lr_claims, found, dr = tables["findings_by_lr"], tables["findings"], tables["drift"]
+    paper_gap, gap = paper_ratio(paper, "hsdp", "fsdp"), _bf16_gap(st, paper)
+    return [
         "## What holds at which learning rate (exploratory)",
         "",
         "The five claims with every algorithm at the same lr, fp32, each cell the ratio [plain 95% interval] "
@@ -676,6 +688,18 @@ def report(st: Study, paper: dict, out: Path, command: str, elapsed: float | Non
         "",
         "![HSDP - FSDP train loss per step](drift.png)",
         "",
+    ]
+
+
+def _controls_and_frontier_md(st: Study, tables: dict, fr: pd.DataFrame, network: str) -> list[str]:
+    """The batch-matched control, the lr table and the A frontier."""
+    bc, lrt = tables["batch_control"], tables["lr"]
+    fr_md = fr.copy()
+    if len(fr_md):
+        fr_md["train time [s]"] = fr_md["train time [s]"].map(lambda v: f"{v:.1f}")
+        fr_md["eval perplexity"] = fr_md["eval perplexity"].map(lambda v: f"{v:.1f}")
+        fr_md = fr_md.drop(columns=["/ FSDP", "low", "high"])
+    return [
         "## Batch-matched control (exploratory)",
         "",
         "Each FL group steps on 1/F of the pool's batch. The controls train FSDP or HSDP on exactly one "
@@ -707,8 +731,13 @@ def report(st: Study, paper: dict, out: Path, command: str, elapsed: float | Non
         "",
         markdown(fr_md) if len(fr_md) else "No runs.",
         "",
-        "![eval perplexity against training time](frontier.png)" if "frontier" in figs else "",
+        "![eval perplexity against training time](frontier.png)" if len(fr) else "",
         "",
+    ]
+
+
+def _limitations_md(st: Study) -> list[str]:
+    return [
         "## Limitations",
         "",
         "- Each algorithm's best learning rate is picked on the same seeds it is then compared on, which "
@@ -720,11 +749,6 @@ def report(st: Study, paper: dict, out: Path, command: str, elapsed: float | Non
         "not at the paper's.",
         "",
     ]
-    if st.notes:
-        lines += ["Notes:", ""] + [f"- {n}" for n in dict.fromkeys(st.notes)] + [""]
-    path = out / "report.md"
-    path.write_text("\n".join(lines))
-    return path
 
 
 def main(argv: list[str] | None = None) -> int:
