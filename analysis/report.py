@@ -215,6 +215,13 @@ def _network(summary: dict) -> str:
 
 
 def _report_md(report, paper, command, t3, md3, md4, ratio_md, findings_md, found, notes) -> str:
+    lines = _head_md(report, paper, command, t3, notes)
+    lines += _sections_md(paper, md3, md4, ratio_md, findings_md, found)
+    return "\n".join(lines)
+
+
+def _head_md(report, paper, command, t3, notes) -> list[str]:
+    """What was read, the setup, the network and FedAvg's mode; skipped runs and notes."""
     runs = report.runs
     seeds = ", ".join(f"{row.label} {row.seeds}" for row in t3.itertuples())
     differ = shared_setup(runs)
@@ -224,8 +231,6 @@ def _report_md(report, paper, command, t3, md3, md4, ratio_md, findings_md, foun
         else "NOT identical: " + "; ".join(f"`{k}` takes {', '.join(v)}" for k, v in differ.items())
     )
     first = runs[0].summary
-    primary = found[found["family"] == "primary"]
-    tally = primary["direction"].value_counts()
     lines = [
         "# Tables 3-4 and Figure 2, regenerated",
         "",
@@ -249,7 +254,14 @@ def _report_md(report, paper, command, t3, md3, md4, ratio_md, findings_md, foun
         lines += ["Skipped runs:", ""] + [f"- {p}" for p in report.problems] + [""]
     if notes:
         lines += ["Notes:", ""] + [f"- {n}" for n in notes] + [""]
-    lines += [
+    return lines
+
+
+def _sections_md(paper, md3, md4, ratio_md, findings_md, found) -> list[str]:
+    """The findings, the headline ratios, Tables 3-4 and Figure 2, each beside the paper's."""
+    primary = found[found["family"] == "primary"]
+    tally = primary["direction"].value_counts()
+    return [
         "## Findings of the paper: reproduced or not",
         "",
         "Primary family (the paper's five perplexity claims, judged together with Holm's step-down): "
@@ -300,7 +312,6 @@ def _report_md(report, paper, command, t3, md3, md4, ratio_md, findings_md, foun
         "Paper's Figure 2: " + paper["figure2"],
         "",
     ]
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
