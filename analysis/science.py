@@ -236,6 +236,20 @@ def findings(st: Study, paper: dict) -> pd.DataFrame:
             PPL_FINDINGS,
         )
     )
+    frames.append(_time_family(st, paper))
+    out = pd.concat(frames, ignore_index=True)
+    out["runs [CI]"] = out.apply(interval_text, axis=1)
+    return out[FINDING_COLUMNS]
+
+
+FINDING_COLUMNS = [
+    *("family", "claim", "setting", "comparison", "paper", "runs [CI]", "level", "direction", "size", "seeds"),
+    *("ratio", "lo", "hi", "p", "sd_log", "direction_level"),
+]
+
+
+def _time_family(st: Study, paper: dict) -> pd.DataFrame:
+    """The time claims on the timed network, exploratory."""
     network = st.timed_network
     time_claims = [
         Claim(
@@ -246,33 +260,9 @@ def findings(st: Study, paper: dict) -> pd.DataFrame:
         )
         for num, den in TIME_FINDINGS
     ]
-    frames.append(
-        _family(
-            explore(time_claims), "exploratory", f"fp32, shared lr, {network} network", TIME_FINDINGS, " train time"
-        )
+    return _family(
+        explore(time_claims), "exploratory", f"fp32, shared lr, {network} network", TIME_FINDINGS, " train time"
     )
-    out = pd.concat(frames, ignore_index=True)
-    out["runs [CI]"] = out.apply(interval_text, axis=1)
-    return out[
-        [
-            "family",
-            "claim",
-            "setting",
-            "comparison",
-            "paper",
-            "runs [CI]",
-            "level",
-            "direction",
-            "size",
-            "seeds",
-            "ratio",
-            "lo",
-            "hi",
-            "p",
-            "sd_log",
-            "direction_level",
-        ]
-    ]
 
 
 def by_lr(st: Study, paper: dict) -> pd.DataFrame:
@@ -476,47 +466,8 @@ def frontier_figure(table: pd.DataFrame, network: str):
     )
     seeds = int(table["seeds"].max()) if len(table) else 0
     for ax, ((algo, F), g) in zip(axes[0], curves):
-        g = g.sort_values("train time [s]")
-        err = (
-            [g["/ FSDP"] - g["low"], g["high"] - g["/ FSDP"]]
-            if g["seeds"].min() > 1 and g["low"].notna().all()
-            else None
-        )
-        ax.errorbar(
-            g["train time [s]"],
-            g["/ FSDP"],
-            yerr=err,
-            marker="o",
-            capsize=3,
-            color=palette.get(algo),
-            label=f"{algo} (F = {F})",
-        )
-        for i, (_, r) in enumerate(g.iterrows()):
-            ax.annotate(
-                f"A={r['A']}",
-                (r["train time [s]"], r["/ FSDP"]),
-                fontsize=7,
-                textcoords="offset points",
-                xytext=(4, 5) if i % 2 == 0 else (4, -11),
-            )
-        for marker, (_, b) in zip(("s", "D", "^"), baselines.iterrows()):
-            ax.plot(
-                b["train time [s]"],
-                b["/ FSDP"],
-                marker=marker,
-                markersize=9,
-                markerfacecolor="none",
-                markeredgewidth=1.6,
-                linestyle="none",
-                color=palette.get(b["algorithm"]),
-                zorder=4,
-                label=b["algorithm"],
-            )
-        ax.axhline(1, color="grey", lw=0.8)
-        ax.margins(x=0.08)  # room for the labels of the first and last points
+        _frontier_panel(ax, algo, F, g.sort_values("train time [s]"), baselines, palette)
         ax.set_xlabel(f"training time [s] (sum of step times, {network} network)", fontsize=8)
-        ax.set_title(f"{algo}, F = {F}: A varied", fontsize=9)
-        ax.legend(fontsize=7)
     axes[0][0].set_ylabel("eval perplexity / FSDP's (same seed)")
     fig.suptitle(
         f"Exploratory: perplexity against time ({seeds} seed{'s' if seeds > 1 else ''} per point"
@@ -524,6 +475,45 @@ def frontier_figure(table: pd.DataFrame, network: str):
         fontsize=9,
     )
     return fig
+
+
+def _frontier_panel(ax, algo, F, g: pd.DataFrame, baselines: pd.DataFrame, palette: dict) -> None:
+    """One FL algorithm's A curve (g, in the order of its times), its A labels, and the baselines."""
+    err = [g["/ FSDP"] - g["low"], g["high"] - g["/ FSDP"]] if g["seeds"].min() > 1 and g["low"].notna().all() else None
+    ax.errorbar(
+        g["train time [s]"],
+        g["/ FSDP"],
+        yerr=err,
+        marker="o",
+        capsize=3,
+        color=palette.get(algo),
+        label=f"{algo} (F = {F})",
+    )
+    for i, (_, r) in enumerate(g.iterrows()):
+        ax.annotate(
+            f"A={r['A']}",
+            (r["train time [s]"], r["/ FSDP"]),
+            fontsize=7,
+            textcoords="offset points",
+            xytext=(4, 5) if i % 2 == 0 else (4, -11),
+        )
+    for marker, (_, b) in zip(("s", "D", "^"), baselines.iterrows()):
+        ax.plot(
+            b["train time [s]"],
+            b["/ FSDP"],
+            marker=marker,
+            markersize=9,
+            markerfacecolor="none",
+            markeredgewidth=1.6,
+            linestyle="none",
+            color=palette.get(b["algorithm"]),
+            zorder=4,
+            label=b["algorithm"],
+        )
+    ax.axhline(1, color="grey", lw=0.8)
+    ax.margins(x=0.08)  # room for the labels of the first and last points
+    ax.set_title(f"{algo}, F = {F}: A varied", fontsize=9)
+    ax.legend(fontsize=7)
 
 
 def drift_figure(st: Study):
