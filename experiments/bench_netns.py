@@ -37,11 +37,10 @@ sys.path.insert(0, str(ROOT))
 
 import fldp  # noqa: E402,F401
 from fldp import netns  # noqa: E402
-from fldp.cost import link_extra, model_units, predict_for  # noqa: E402
-from fldp.data import load_tokenizer, prepare  # noqa: E402
+from fldp.cost import config_model, link_extra, predict_for  # noqa: E402
+from fldp.data import prepare  # noqa: E402
 from fldp.launch import run_local  # noqa: E402
 from fldp.mesh import mesh_shape  # noqa: E402
-from fldp.model import DTYPES, build_model, llama_config  # noqa: E402
 from fldp.records import PHASES  # noqa: E402
 
 NAMES = {"fsdp": "FSDP", "hsdp": "HSDP", "fl_fsdp": "FL+FSDP", "fl_hsdp": "FL+HSDP"}
@@ -149,44 +148,58 @@ def main() -> None:
     ]
     cfg0 = compose_cfg(*common)
     netns.check(cfg0, forks_locally=True)
-    blocks = prepare(cfg0.dataset)
-    import fldp.trainer  # noqa: F401  (once here, not in every forked worker)
-
-    samples = {a: {"loopback": [], "netns": []} for a in algorithms}
-    with tempfile.TemporaryDirectory() as tmp:
-        for _ in range(args.repeats):  # interleaved: load on the machine hits both sides alike
-            for a in algorithms:
-                for side in ("loopback", "netns"):
-                    # loopback: the same topology, meshes and tiers without the namespaces
-                    off = ["topology.emulation=null"] if side == "loopback" else []
-                    samples[a][side].append(run(compose_cfg(f"algorithm={a}", *common, *off), blocks, Path(tmp)))
-
-    vocab = cfg0.model.vocab_size or len(load_tokenizer(str(cfg0.dataset.tokenizer)))
-    units = model_units(build_model(llama_config(cfg0.model, vocab), "meta"), DTYPES[cfg0.trainer.precision])
-    rows = {}
-    for a in algorithms:
-        cfg = compose_cfg(f"algorithm={a}", *common)
-        pred, extra = predict_for(cfg, units), link_extra(cfg, units)
-        med = {side: statistics.median(s["step_s"] for s in samples[a][side]) for side in ("loopback", "netns")}
-        rows[a] = {
-            "mesh": str(mesh_shape(cfg)),
-            "loopback_s": med["loopback"],
-            "netns_s": med["netns"],
-            "measured_comm_s": med["netns"] - med["loopback"],
-            "predicted_comm_s": extra,
-            "gloo_link_s": pred.capped_time(),
-            "ring_link_s": pred.capped_time(ring=True),
-            "predicted_s": med["loopback"] + extra,
-            "samples": samples[a],
-            "link_mb": statistics.median(s["link_bytes"] for s in samples[a]["netns"]) / 1e6,
-            "predicted_link_mb": pred.link_bytes() / 1e6,
-        }
+    samples = paired_samples(cfg0, common, algorithms, args.repeats)
+    rows = {a: row(compose_cfg(f"algorithm={a}", *common), samples[a]) for a in algorithms}
     link = cfg0.topology.network[-1]
     print(
         f"{args.topology}: {cfg0.topology.nodes} nodes x {cfg0.topology.procs_per_node} ranks, link "
         f"{link.gbit_s * 1e3:g} Mbit/s each way per node, model={cfg0.model.name}, {args.steps} steps, "
         f"A={args.every}, {args.repeats} paired repeats, {time.monotonic() - start:.0f} s\n"
     )
+    print_rows(rows)
+    ratios = print_ratios(rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"topology": args.topology, "rows": rows, "ratios": ratios}, indent=2))
+
+
+def paired_samples(cfg0, common: list[str], algorithms: list[str], repeats: int) -> dict:
+    """Each algorithm run `repeats` times on loopback and on the namespaces, interleaved: load on
+    the machine hits both sides alike."""
+    blocks = prepare(cfg0.dataset)
+    import fldp.trainer  # noqa: F401  (once here, not in every forked worker)
+
+    samples: dict = {a: {"loopback": [], "netns": []} for a in algorithms}
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(repeats):
+            for a in algorithms:
+                for side in ("loopback", "netns"):
+                    # loopback: the same topology, meshes and tiers without the namespaces
+                    off = ["topology.emulation=null"] if side == "loopback" else []
+                    samples[a][side].append(run(compose_cfg(f"algorithm={a}", *common, *off), blocks, Path(tmp)))
+    return samples
+
+
+def row(cfg, samples: dict) -> dict:
+    """One algorithm's medians beside the cost model's prediction of the link's extra."""
+    _, units = config_model(cfg)
+    pred, extra = predict_for(cfg, units), link_extra(cfg, units)
+    med = {side: statistics.median(s["step_s"] for s in samples[side]) for side in ("loopback", "netns")}
+    return {
+        "mesh": str(mesh_shape(cfg)),
+        "loopback_s": med["loopback"],
+        "netns_s": med["netns"],
+        "measured_comm_s": med["netns"] - med["loopback"],
+        "predicted_comm_s": extra,
+        "gloo_link_s": pred.capped_time(),
+        "ring_link_s": pred.capped_time(ring=True),
+        "predicted_s": med["loopback"] + extra,
+        "samples": samples,
+        "link_mb": statistics.median(s["link_bytes"] for s in samples["netns"]) / 1e6,
+        "predicted_link_mb": pred.link_bytes() / 1e6,
+    }
+
+
+def print_rows(rows: dict) -> None:
     print(
         "seconds per step; comm = netns - loopback, measured and predicted (the link's time less what the same\n"
         "collectives cost on loopback); the model's time on the link alone, gloo's collectives and a ring's\n"
@@ -201,21 +214,25 @@ def main() -> None:
             f"{r['predicted_comm_s']:10.3f} {r['gloo_link_s']:10.3f} {r['ring_link_s']:10.3f} "
             f"{r['link_mb']:21.3f} {r['predicted_link_mb']:6.3f}"
         )
-    ratios = []
-    if "fl_fsdp" in rows:
-        print("\nstep-time ratio            measured  predicted  off by   goal within 15%")
-        base = rows["fl_fsdp"]
-        for a in ("fsdp", "hsdp", "fl_hsdp"):
-            if a not in rows:
-                continue
-            m, p = rows[a]["netns_s"] / base["netns_s"], rows[a]["predicted_s"] / base["predicted_s"]
-            err = m / p - 1
-            ratios.append({"ratio": f"{NAMES[a]} / FL+FSDP", "measured": m, "predicted": p, "off_by": err})
-            print(
-                f"{NAMES[a] + ' / FL+FSDP':25s} {m:8.2f}x {p:9.2f}x {err:+7.1%}   {'MET' if abs(err) <= 0.15 else 'NOT MET'}"
-            )
-    if args.json:
-        Path(args.json).write_text(json.dumps({"topology": args.topology, "rows": rows, "ratios": ratios}, indent=2))
+
+
+def print_ratios(rows: dict) -> list[dict]:
+    """Each algorithm's step against FL+FSDP's, measured and predicted (issue goal: within 15%)."""
+    ratios: list[dict] = []
+    if "fl_fsdp" not in rows:
+        return ratios
+    print("\nstep-time ratio            measured  predicted  off by   goal within 15%")
+    base = rows["fl_fsdp"]
+    for a in ("fsdp", "hsdp", "fl_hsdp"):
+        if a not in rows:
+            continue
+        m, p = rows[a]["netns_s"] / base["netns_s"], rows[a]["predicted_s"] / base["predicted_s"]
+        err = m / p - 1
+        ratios.append({"ratio": f"{NAMES[a]} / FL+FSDP", "measured": m, "predicted": p, "off_by": err})
+        print(
+            f"{NAMES[a] + ' / FL+FSDP':25s} {m:8.2f}x {p:9.2f}x {err:+7.1%}   {'MET' if abs(err) <= 0.15 else 'NOT MET'}"
+        )
+    return ratios
 
 
 if __name__ == "__main__":

@@ -49,11 +49,10 @@ from bench_netns import compose_cfg, write_results  # noqa: E402  (this script's
 
 from analysis.stats import TIE_HIGH, TIE_LOW, paired_ratio  # noqa: E402
 from fldp import netns  # noqa: E402
-from fldp.cost import model_units, predict_for  # noqa: E402
-from fldp.data import load_tokenizer, prepare  # noqa: E402
+from fldp.cost import config_model, predict_for  # noqa: E402
+from fldp.data import prepare  # noqa: E402
 from fldp.launch import run_local  # noqa: E402
 from fldp.mesh import mesh_shape  # noqa: E402
-from fldp.model import DTYPES, build_model, llama_config  # noqa: E402
 
 EVERY, STEPS, WINDOW = 8, 17, range(2, 17)  # WINDOW: two whole periods
 PERIODS = len(WINDOW) / EVERY
@@ -137,8 +136,24 @@ def main() -> None:
     blocks = prepare(cfg0.dataset)
     import fldp.trainer  # noqa: F401  (once here, not in every forked worker)
 
-    vocab = cfg0.model.vocab_size or len(load_tokenizer(str(cfg0.dataset.tokenizer)))
-    units = model_units(build_model(llama_config(cfg0.model, vocab), "meta"), DTYPES[cfg0.trainer.precision])
+    results = sweep(cfg0, blocks, algorithms, variants, args)
+    frame = pd.DataFrame(results)
+    if args.out:
+        write_results(args.out, results)
+
+    link = cfg0.topology.network[-1]
+    print(
+        f"\nnetns_4x2: 4 nodes x 2 ranks, link {link.gbit_s * 1e3:g} Mbit/s per node, model={cfg0.model.name}, "
+        f"A={EVERY}, {STEPS} steps (measured over steps {WINDOW.start}-{WINDOW.stop - 1}), {args.seeds} seeds, "
+        f"{time.monotonic() - start:.0f} s{'; ' + ' '.join(args.overrides) if args.overrides else ''}"
+    )
+    print_medians(frame, algorithms, variants)
+    print_ratios(frame, algorithms, variants)
+
+
+def sweep(cfg0, blocks, algorithms: list[str], variants: list[str], args) -> list[dict]:
+    """Every seed x algorithm x variant run once, seed by seed, each beside the model's prediction."""
+    _, units = config_model(cfg0)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for seed in range(args.seeds):
@@ -158,16 +173,10 @@ def main() -> None:
                         }
                     )
                     print(f"seed {seed} {algorithm} {variant}: {measured}", flush=True)
-    frame = pd.DataFrame(results)
-    if args.out:
-        write_results(args.out, results)
+    return results
 
-    link = cfg0.topology.network[-1]
-    print(
-        f"\nnetns_4x2: 4 nodes x 2 ranks, link {link.gbit_s * 1e3:g} Mbit/s per node, model={cfg0.model.name}, "
-        f"A={EVERY}, {STEPS} steps (measured over steps {WINDOW.start}-{WINDOW.stop - 1}), {args.seeds} seeds, "
-        f"{time.monotonic() - start:.0f} s{'; ' + ' '.join(args.overrides) if args.overrides else ''}"
-    )
+
+def print_medians(frame: pd.DataFrame, algorithms: list[str], variants: list[str]) -> None:
     print(
         "\nper period A (medians over seeds): aggregation on the critical path, measured and the model's "
         "(collectives only); step time; peak federation bytes per aggregation step, measured and the model's; "
@@ -186,6 +195,9 @@ def main() -> None:
                 f"{v.step_s.median():7.3f} {v.compute_s.median():8.3f} {v.peak_bytes.median() / 1e6:8.3f} "
                 f"{v.predicted_peak_bytes.median() / 1e6:7.3f} {v.perplexity.median():7.2f}"
             )
+
+
+def print_ratios(frame: pd.DataFrame, algorithms: list[str], variants: list[str]) -> None:
     print(
         f"\nratios to plain, paired by seed: geometric mean [95% t interval]; ppl tie band {TIE_LOW:.3f}-{TIE_HIGH:.3f}"
     )
