@@ -27,3 +27,18 @@ def test_the_code_is_as_ruff_formats_it():
 def test_mypy_finds_no_type_error():
     out = tool("mypy")
     assert out.returncode == 0, out.stdout[-4000:]
+
+
+def test_functions_and_classes_stay_small():
+    """The brief's sizes: every function under 60 lines and every class under 200, in the package,
+    the analysis and the experiments' scripts (tests may be longer)."""
+    import ast
+
+    too_long = []
+    for folder in ("fldp", "analysis", "experiments"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                limit = {ast.FunctionDef: 60, ast.AsyncFunctionDef: 60, ast.ClassDef: 200}.get(type(node))
+                if limit and node.end_lineno - node.lineno + 1 > limit:
+                    too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert not too_long, too_long
