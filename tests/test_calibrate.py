@@ -267,6 +267,27 @@ def test_the_plan_benchmark_s_recheck_sets_the_step_after_the_runs_beside_the_on
     assert "0.200 s before the runs, 0.230 s after (+15%); sharded 0.250 s, 0.250 s (+0%)" in capsys.readouterr().out
 
 
+def test_the_plan_benchmark_repeats_only_the_layouts_whose_interval_is_still_wide(monkeypatch):
+    """--max-repeats: after the interleaved rounds, only a layout wider than +-half_width runs
+    again, until it is narrow or has max_repeats (times from a table stand in for the runs)."""
+    monkeypatch.syspath_prepend(str(ROOT / "experiments"))
+    from bench_plan import relative_half_width, repeat_until
+
+    times = {0: iter([1.0, 1.001]), 1: iter([1.0, 1.02, 1.01]), 2: iter([1.0, 1.5] * 3)}
+    order: list[int] = []
+
+    def run_one(i):
+        order.append(i)
+        return {"step_s": next(times[i])}
+
+    runs = repeat_until(run_one, 3, 2, 5, 0.05)
+    assert order[:6] == [0, 1, 2, 0, 1, 2]  # the two rounds, interleaved
+    # +-0.6% after two: done; +-12.6% after two, +-2.5% after three; +-28% still after five
+    assert [len(r) for r in runs] == [2, 3, 5] and order[6:] == [1, 2, 2, 2]
+    assert relative_half_width([1.0]) == float("inf") and relative_half_width([1.0, 1.0]) == 0.0
+    assert repeat_until(run_one, 1, 0, 0, 0.05) == [[]]
+
+
 def test_cluster_slurm_dry_run_prints_the_one_job_and_submits_nothing(tmp_path):
     out = calibrate(tmp_path, "topology=slurm_2x4", "cluster=slurm", "cluster.dry_run=true", "calibrate.out=p.yaml")
     assert out.returncode == 0, out.stderr[-2000:]
