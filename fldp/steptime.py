@@ -17,7 +17,8 @@ Terms, per GPU and step:
   its 4 GPUs), times an efficiency that falls with the nodes the collective spans:
   `network` x nodes^-`span` (MiCS: collectives over more nodes reach less of the link);
 - FSDP2's own work per unit and collective beyond the collective (copies in and out, hooks), where
-  calibrated (Hardware.fsdp_forward, fsdp_backward: sharded_terms);
+  calibrated (Hardware.fsdp_forward, fsdp_backward: sharded_terms); at S = 1 with replicas only the
+  backward's reductions pay it (a gather over one rank is a copy);
 - the optimizer: AdamW reads parameters, gradients and two moments and writes three, at HBM speed,
   plus, where calibrated, a fixed part whatever the shard's size (Hardware.optimizer_fixed);
 - the aggregation: the federated shards' all-reduce over the groups every A steps, amortised (FedAvg's
@@ -335,10 +336,12 @@ def phases(
 
     backward = sum(beside(per_layer_back, collectives(u)) for u in layers)
     backward += scatter(root) + replicas(root)
+    in_forward, in_backward = fsdp_collectives(work)
     if S > 1:  # FSDP2's own work per collective
-        in_forward, in_backward = fsdp_collectives(work)
         forward += hw.fsdp_forward * in_forward
         backward += hw.fsdp_backward * in_backward
+    elif R > 1:  # gathers over one rank are copies, but every unit's gradients are still reduced
+        backward += hw.fsdp_backward * len(work.unit_bytes)
     shard_bytes = sum(work.unit_bytes) / S
     optimizer = hw.optimizer_fixed + 7 * shard_bytes / hw.hbm  # AdamW: reads 4 tensors of the shard, writes 3
     aggregation = 0.0

@@ -121,6 +121,21 @@ def test_hsdp_inside_a_node_pays_each_layers_replica_all_reduce():
     assert got["backward"] == pytest.approx(2 * per_layer)
 
 
+def test_fsdp2s_own_seconds_per_collective_where_it_gathers_or_reduces():
+    # 3 units: a sharded step gathers 3 in forward, gathers 2 and reduces 3 in backward; HSDP at
+    # S = 1 only reduces its 3 (over the replicas); one rank runs no FSDP2 collective
+    work = Workload(unit_bytes=(1e9, 1e9, 0.5e9), flops_per_token=0.0, tokens=1)
+    per = dataclasses.replace(NO_LATENCY, fsdp_forward=0.01, fsdp_backward=0.1)
+
+    def added(shape):
+        with_, without = phases(work, shape, None, per, FULL), phases(work, shape, None, NO_LATENCY, FULL)
+        return (with_["forward"] - without["forward"], with_["backward"] - without["backward"])
+
+    assert added(MeshShape(1, 1, 4)) == pytest.approx((3 * 0.01, 5 * 0.1))
+    assert added(MeshShape(1, 2, 1)) == pytest.approx((0.0, 3 * 0.1))
+    assert added(MeshShape(2, 1, 1)) == pytest.approx((0.0, 0.0))
+
+
 @pytest.mark.parametrize("backend, broadcast_s", [("nccl", 0.02), ("gloo", 3 * 0.02)])
 def test_leader_broadcast_sends_one_replicas_exchange_across_nodes_then_broadcasts(backend, broadcast_s):
     # 2 nodes of 4, F = 2 groups of R = 4 replicas (S = 1): a group per node, 2 GB of weights each.
