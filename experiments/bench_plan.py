@@ -108,6 +108,8 @@ def repeat_until(run_one, count: int, repeats: int, max_repeats: int, half_width
             runs[i].append(run_one(i))
     for _ in range(repeats, max_repeats):
         wide = [i for i, done in enumerate(runs) if relative_half_width([r["step_s"] for r in done]) > half_width]
+        if not wide:
+            break
         for i in wide:
             runs[i].append(run_one(i))
     return runs

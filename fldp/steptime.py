@@ -336,8 +336,8 @@ def phases(
 
     backward = sum(beside(per_layer_back, collectives(u)) for u in layers)
     backward += scatter(root) + replicas(root)
-    in_forward, in_backward = fsdp_collectives(work)
     if S > 1:  # FSDP2's own work per collective
+        in_forward, in_backward = fsdp_collectives(work)
         forward += hw.fsdp_forward * in_forward
         backward += hw.fsdp_backward * in_backward
     elif R > 1:  # gathers over one rank are copies, but every unit's gradients are still reduced
