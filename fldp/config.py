@@ -364,6 +364,12 @@ class ClusterConfig:
         Bool(optional=True), "algorithm.elastic: a failed federation group is started again", True
     )
     max_restarts: int = setting(Int(ge=0, optional=True), "restarts per group at most", 3)
+    join_timeout_s: float = setting(
+        Num(gt=0, optional=True),
+        "algorithm.elastic: how long an aggregation (and the groups' start) waits for a live group that "
+        "is late before going on without it; a failed group is not waited for",
+        120,
+    )
     device: str = setting(Choice("cpu", "cuda", when=SIMULATE), "cluster=simulate: where the groups compute")
     threads: int | None = setting(
         Int(ge=1, null=True, when=SIMULATE), "cluster=simulate: torch CPU threads; null: torch's default"

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -33,18 +34,16 @@ from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import wait
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import torch
 
 from . import faults
 from .config import default_of
 from .errors import ConfigError, Interrupted, WorkerError
+from .roster import FAILED, Roster, answer, serve
 from .streaming import StreamingConfig
 
-# The lighthouse waits this long for every live group to reach an aggregation before it forms a
-# quorum without the late ones: longer than any gap between aggregations, or a restarted group
-# waiting to heal would form a quorum of its own and train from scratch.
-JOIN_TIMEOUT_S = 120.0
 # A group whose manager has not been heard from for this long is dead to the lighthouse: the
 # survivors' next aggregation waits at most this long for a group that just died.
 HEARTBEAT_TIMEOUT_S = 2.0
@@ -57,6 +56,7 @@ class Member:
     group: int
     restart: int  # 0: the group's first incarnation
     lighthouse: str  # the lighthouse's address
+    roster: str  # the roll call's store, host:port (fldp.roster)
 
 
 def check(cfg) -> None:
@@ -114,13 +114,19 @@ class Federation:
     """The cross-group side of FedAvg over torchft's Manager, on one rank: the quorum of live
     groups, a mean over its participants, and the commit. `track` names what a peer's heal copies."""
 
-    def __init__(self, member: Member, rank: int, group_size: int, store_addr: str, store_port: int, timeout_s: float):
+    def __init__(
+        self, member: Member, rank: int, shape, store: tuple[str, int], timeout_s: float, join_timeout_s: float
+    ):
+        """store: the group's rendezvous store (host, port), torchft's too; join_timeout_s: how long
+        an aggregation waits for a live group that is late (the lighthouse's wait, the roll call's)."""
         from torchft import Manager, ProcessGroupGloo
 
-        self.member = member
+        self.member, self.groups = member, shape.federation
         self.tracked: tuple = ()  # (model, optimizer, scheduler, fedavg, position): track()
         self.healed_from: int | None = None  # the peer group whose state this group last loaded
         self.healed = False  # whether it loaded one in the last aggregation
+        self.left_out: dict[str, str] = {}  # the last aggregation's absent groups: why (fldp.roster)
+        self.roster = Roster(member.roster, shape.federation, join_timeout_s)
         timeout = timedelta(seconds=timeout_s)
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout),
@@ -129,15 +135,38 @@ class Federation:
             min_replica_size=1,
             use_async_quorum=True,
             timeout=timeout,
-            quorum_timeout=timedelta(seconds=max(timeout_s, 2 * JOIN_TIMEOUT_S)),
+            quorum_timeout=timedelta(seconds=max(timeout_s, 2 * join_timeout_s)),
             rank=rank,
-            world_size=group_size,
-            store_addr=store_addr,
-            store_port=store_port,
+            world_size=shape.group_size,
+            store_addr=store[0],
+            store_port=store[1],
             lighthouse_addr=member.lighthouse,
             replica_id=f"group_{member.group}",
             init_sync=False,  # every group starts from the same weights (fldp.init: the seed alone)
         )
+        self.quorums = _Quorums(self.manager._client)  # torchft keeps no quorum's members: we note them
+        self.manager._client = self.quorums
+        if member.restart == 0:  # a restarted group heals, behind the others: no roll call
+            self._roll_call(rank, store)
+
+    def _roll_call(self, rank: int, store: tuple[str, int]) -> None:
+        """Say this group is here once the lighthouse has heard from it, then wait for every group."""
+        if rank == 0:
+            from torch.distributed import TCPStore
+            from torchft._torchft import LighthouseClient
+            from torchft.manager import REPLICA_ID_KEY
+
+            own = TCPStore(store[0], store[1], is_master=False, wait_for_workers=False)
+            replica_id = own.get(REPLICA_ID_KEY).decode()  # torchft's: ours with a uuid
+            LighthouseClient(self.member.lighthouse, timedelta(seconds=60)).heartbeat(replica_id)
+            self.roster.here(self.member.group)
+        missing = self.roster.wait()
+        if missing:
+            logging.getLogger(__name__).warning(
+                "federation groups %s had not started after cluster.join_timeout_s=%s s: training without them",
+                missing,
+                self.roster.wait_s,
+            )
 
     def track(self, model, optimizer, scheduler, fedavg, position: dict) -> None:
         """What a group holds: `position` is {"step": the last step trained}, kept current by the trainer."""
@@ -147,8 +176,16 @@ class Federation:
         """Join this aggregation's quorum (a group behind the others heals in it: one restarted,
         or one cut off from them for a while); the participants."""
         self.healed = False
+        first_asked = self.roster.arrive(self.tracked[4]["step"])
         self.manager.start_quorum()
-        return self.manager.num_participants()
+        participants = self.manager.num_participants()
+        quorum = self.quorums.last
+        assert quorum is not None  # num_participants() waited for it
+        present = {int(r.split(":", 1)[0].removeprefix("group_")) for r in quorum.replica_ids}
+        missing = [g for g in range(self.groups) if g not in present]
+        why = self.roster.why_left_out(first_asked) if missing else ""
+        self.left_out = {str(g): why for g in missing}
+        return participants
 
     def all_reduce_mean(self, flat: torch.Tensor):
         """The participants' mean into `flat` once the returned work is waited on (a group that
@@ -197,6 +234,20 @@ class Federation:
         self.healed_from, self.healed = state["group"], True
 
 
+class _Quorums:
+    """torchft's ManagerClient, noting the last quorum it was given (`replica_ids`: its members)."""
+
+    def __init__(self, client):
+        self.client, self.last = client, None
+
+    def _quorum(self, *args, **kwargs):
+        self.last = self.client._quorum(*args, **kwargs)
+        return self.last
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+
 def _local(t):
     return t._local_tensor if hasattr(t, "_local_tensor") else t
 
@@ -231,7 +282,17 @@ def quiet_torchft() -> None:
 # ---- the launchers: the lighthouse and the groups, each group restarted when it fails ----
 
 
-def _lighthouse(out, parent: int, network) -> None:
+@dataclass(frozen=True)
+class Coordinator:
+    """Where a run's groups meet: the lighthouse, and the roll call's store beside it (fldp.roster)."""
+
+    lighthouse: str
+    roster: str  # host:port
+
+
+def _lighthouse(out, failures, parent: int, network, groups: int, join_timeout_s: float) -> None:
+    """The lighthouse's process: torchft's lighthouse and the roll call's store; the supervisor's
+    word on each group that failed (from `failures`) goes into the roll call."""
     from . import launch
 
     signal.signal(signal.SIGTERM, launch._exit_on_signal)
@@ -244,12 +305,14 @@ def _lighthouse(out, parent: int, network) -> None:
     server = LighthouseServer(
         bind="[::]:0",
         min_replicas=1,
-        join_timeout_ms=int(JOIN_TIMEOUT_S * 1000),
+        join_timeout_ms=int(join_timeout_s * 1000),
         heartbeat_timeout_ms=int(HEARTBEAT_TIMEOUT_S * 1000),
     )
-    out.put(server.address())
-    while True:
-        signal.pause()
+    store = serve()
+    address = server.address()
+    out.put(Coordinator(address, f"{urlsplit(address).hostname}:{store.port}"))
+    for group in iter(failures.get, None):
+        answer(store, group, FAILED, groups)
 
 
 class _Group:
@@ -281,7 +344,7 @@ def run_local(fn, args: tuple, shape, cluster_cfg, run_dir: str, network=None) -
 
     ctx = launch.mp.get_context("fork")
 
-    def start(group: _Group, lighthouse: str) -> None:
+    def start(group: _Group, meet: Coordinator) -> None:
         place = group.index * shape.group_size  # the group's first rank in the whole run
         if network is None:
             addr = cluster_cfg.master_addr
@@ -289,7 +352,7 @@ def run_local(fn, args: tuple, shape, cluster_cfg, run_dir: str, network=None) -
         else:  # the group's first node, a port no other group or incarnation has used there
             addr = network.address(network.node_of(place))
             port = network.port + 1 + group.index + shape.federation * group.restart
-        member = Member(group.index, group.restart, lighthouse)
+        member = Member(group.index, group.restart, meet.lighthouse, meet.roster)
         errors = ctx.SimpleQueue()
         group.procs = [
             ctx.Process(
@@ -335,7 +398,7 @@ def _first_report(errors) -> str | None:
 
 
 def _supervise(start, shape, cluster_cfg, run_dir: str, network=None) -> None:
-    """Fork the lighthouse, start(group, lighthouse address) every group, and watch them to the end:
+    """Fork the lighthouse, start(group, Coordinator) every group, and watch them to the end:
     a group that fails is stopped, recorded and started again while it may be."""
     from . import launch
 
@@ -343,23 +406,29 @@ def _supervise(start, shape, cluster_cfg, run_dir: str, network=None) -> None:
     launch.stop_tqdm_monitors()
     ctx = launch.mp.get_context("fork")
     events = Path(run_dir) / "elastic_events.jsonl"
-    out = ctx.SimpleQueue()
-    lighthouse = ctx.Process(target=_lighthouse, name="fldp-lighthouse", args=(out, os.getpid(), network), daemon=True)
+    out, failures = ctx.SimpleQueue(), ctx.SimpleQueue()
+    join_timeout_s = cluster_cfg.get("join_timeout_s", default_of("cluster.join_timeout_s"))
+    lighthouse = ctx.Process(
+        target=_lighthouse,
+        name="fldp-lighthouse",
+        args=(out, failures, os.getpid(), network, shape.federation, join_timeout_s),
+        daemon=True,
+    )
     groups = [_Group(g) for g in range(shape.federation)]
     every = [lighthouse]  # every process started, for the interrupt handler
     restart_failed = cluster_cfg.get("restart_failed_groups", default_of("cluster.restart_failed_groups"))
     max_restarts = cluster_cfg.get("max_restarts", default_of("cluster.max_restarts"))
 
-    def begin(group: _Group, address: str) -> None:
-        start(group, address)
+    def begin(group: _Group, meet: Coordinator) -> None:
+        start(group, meet)
         every.extend(group.procs)
 
     with launch._Interrupts(every) as interrupts:
         try:
             lighthouse.start()
-            address = out.get()
+            meet = out.get()
             for group in groups:
-                begin(group, address)
+                begin(group, meet)
             while not interrupts.signum:
                 if lighthouse.exitcode is not None:
                     raise WorkerError(
@@ -368,8 +437,9 @@ def _supervise(start, shape, cluster_cfg, run_dir: str, network=None) -> None:
                     )
                 failed = next(((g, p) for g in groups for p in g.procs if p.exitcode not in (None, 0)), None)
                 if failed:
+                    failures.put(failed[0].index)  # the roll call waits no longer for it
                     _failed(*failed, groups, events, restart_failed, max_restarts, launch)
-                    begin(failed[0], address)
+                    begin(failed[0], meet)
                     continue
                 if all(g.finished for g in groups):
                     break
@@ -475,14 +545,14 @@ def run_slurm(cfg, run_dir: str, shape) -> None:
     spec.write_bytes(pickle.dumps((cfg, run_dir)))
     job_id = int(os.environ["SLURM_JOB_ID"])
 
-    def start(group: _Group, lighthouse: str) -> None:
+    def start(group: _Group, meet: Coordinator) -> None:
         log_path = logs / f"group_{group.index}.restart_{group.restart}.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_STEP_", "SLURM_NTASKS", "MASTER_"))}
         # each group's store on its own first node (fldp.launch.rendezvous), at a port of its own
         env["MASTER_PORT"] = str(group_step_port(shape, job_id, group.index, group.restart))
         with log_path.open("w") as out:
             popen = subprocess.Popen(
-                group_step_command(shape, cfg.topology, group.index, group.restart, spec, lighthouse),
+                group_step_command(shape, cfg.topology, group.index, group.restart, spec, meet),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=env,

@@ -1,12 +1,13 @@
-"""Real failures on purpose, for tests, drills and the elastic benchmark (FLDP_FAULT).
+"""Real failures and delays on purpose, for tests, drills and the elastic benchmark (FLDP_FAULT).
 
-FLDP_FAULT="group=G,step=N[,at=step|aggregation|allreduce|start][,repeat=true]" makes every rank of
-federation group G SIGKILL itself: after step N is recorded (`step`, the default, in any run), or,
-in an elastic run (fldp/elastic.py), as step N's aggregation begins (`aggregation`: before its
-quorum), inside it (`allreduce`: in the quorum, before the all-reduce) or as the group starts
-(`start`, no step). A restarted group's ranks fail again only with repeat=true. Each rank prints
-the moment it dies (unix time) on stderr first: the benchmark's start of a failure. The trainer
-reaches these points through Drills; fldp.elastic strikes at `allreduce` itself.
+FLDP_FAULT="group=G,step=N[,at=step|aggregation|allreduce|start][,repeat=true][,sleep=S]" makes every
+rank of federation group G SIGKILL itself: after step N is recorded (`step`, the default, in any
+run), or, in an elastic run (fldp/elastic.py), as step N's aggregation begins (`aggregation`: before
+its quorum), inside it (`allreduce`: in the quorum, before the all-reduce) or as the group starts
+(`start`, no step: before its torchft Manager exists). With sleep=S the ranks sleep S seconds there
+instead: a group that is late, not failed. A restarted group's ranks strike again only with
+repeat=true. Each rank prints the moment (unix time) on stderr first: the benchmark's start of a
+failure. The trainer reaches these points through Drills; fldp.elastic strikes at `allreduce` itself.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ VARIABLE = "FLDP_FAULT"
 
 
 def strike(group: int, incarnation: int, step: int | None, at: str) -> None:
-    """SIGKILL this rank if FLDP_FAULT names its group, this point and this step."""
+    """SIGKILL this rank (or sleep, with sleep=S) if FLDP_FAULT names its group, this point and this step."""
     spec = os.environ.get(VARIABLE)
     if not spec:
         return
@@ -32,12 +33,13 @@ def strike(group: int, incarnation: int, step: int | None, at: str) -> None:
         and fields.get("at", "step") == at
         and (at == "start" or int(fields["step"]) == step)
     ):
-        print(
-            f"fldp: {VARIABLE} kills group {group} at {at} {step} (unix time {time.time():.3f})",
-            file=sys.stderr,
-            flush=True,
-        )
-        os.kill(os.getpid(), signal.SIGKILL)
+        delay = fields.get("sleep")
+        what = f"delays group {group} by {delay} s" if delay else f"kills group {group}"
+        print(f"fldp: {VARIABLE} {what} at {at} {step} (unix time {time.time():.3f})", file=sys.stderr, flush=True)
+        if delay:
+            time.sleep(float(delay))
+        else:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Drills:

@@ -1,4 +1,4 @@
-"""`python -m fldp.group_step SPEC GROUP RESTART LIGHTHOUSE`: one rank of an elastic run's
+"""`python -m fldp.group_step SPEC GROUP RESTART LIGHTHOUSE ROSTER`: one rank of an elastic run's
 federation group, a task of the group's SLURM job step (started by fldp.elastic.run_slurm). Its
 process group is the step's tasks, its rendezvous the step's first node (fldp.launch.rendezvous,
 MASTER_PORT from the supervisor); SPEC is the pickled (config, run directory) of the run."""
@@ -20,7 +20,7 @@ def main(argv: list[str]) -> int:
     from .train import _group_rank
 
     quiet_torchft()
-    spec, group, restart, lighthouse = argv
+    spec, group, restart, lighthouse, roster = argv
     with open(spec, "rb") as f:
         cfg, run_dir = pickle.load(f)
     env = os.environ
@@ -30,7 +30,7 @@ def main(argv: list[str]) -> int:
     os.environ.update(MASTER_ADDR=rank.master_addr, MASTER_PORT=str(rank.master_port))  # torchft's store too
     device = launch.init_process_group(rank, cfg.topology.device, cfg.cluster.timeout_s)
     blocks = prepare(cfg.dataset)  # the token cache the pre-flight found: read, not made
-    _group_rank(cfg, run_dir, blocks, Member(int(group), int(restart), lighthouse), device)
+    _group_rank(cfg, run_dir, blocks, Member(int(group), int(restart), lighthouse, roster), device)
     dist.destroy_process_group()
     return 0
 

@@ -103,7 +103,7 @@ def requeue(cfg, run_dir: str, step: int):
 # --- elastic federation: each federation group a job step of the one job (fldp/elastic.py) ------
 
 
-def group_step_command(shape, topology, group: int, restart: int, spec, lighthouse: str) -> list[str]:
+def group_step_command(shape, topology, group: int, restart: int, spec, meet) -> list[str]:
     """The srun that starts group `group`'s ranks as a job step: on the nodes of its ranks' places in
     the whole run (node-major), sharing the allocation with the other groups and the supervisor;
     srun ends the step, and only it, when one of its tasks dies."""
@@ -125,7 +125,8 @@ def group_step_command(shape, topology, group: int, restart: int, spec, lighthou
         str(spec),
         str(group),
         str(restart),
-        lighthouse,
+        meet.lighthouse,
+        meet.roster,
     ]
 
 

@@ -195,6 +195,6 @@ def step_row(
         row["grad_norm"] = norms[:: group_size or len(norms), 0].tolist()
     if outcome.aggregated:  # algorithm.streaming: which parts of the model
         row.update(fragment_fields(fedavg.config, outcome.exchange))
-    if elastic and outcome.aggregated:  # the groups alive in it, and whether it was applied
-        row.update(participants=fedavg.participants, committed=outcome.committed)
+    if elastic and outcome.aggregated:  # the groups in it, those left out and why, and whether it was applied
+        row.update(participants=fedavg.participants, left_out=fedavg.left_out, committed=outcome.committed)
     return row

@@ -268,9 +268,9 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None,
     federation group alone; the groups meet only at aggregations, through torchft. Group 0's rank 0
     writes the run's records and summary, group g's rank 0 its own in run_dir/group_g/."""
     place = Placement.of(cfg, blocks, device, member)
-    state, federation = build(cfg, blocks, device, place, member)
     drills = faults.Drills(place.group, member.restart if member else 0, elastic=member is not None)
-    drills.start()
+    drills.start()  # before the group's torchft Manager exists: the others have not heard of it yet
+    state, federation = build(cfg, blocks, device, place, member)
     healing = Healing(state, federation, member) if federation is not None else None
     checkpoints = Checkpoints.open(cfg, run_dir, place, state, device, elastic=federation is not None)
     heal = None
@@ -318,10 +318,10 @@ def elastic_federation(cfg, member, shape):
     return elastic.Federation(
         member,
         dist.get_rank(),
-        shape.group_size,
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
+        shape,
+        (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])),
         cfg.cluster.timeout_s,
+        cfg.cluster.get("join_timeout_s", default_of("cluster.join_timeout_s")),
     )
 
 

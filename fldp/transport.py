@@ -85,6 +85,11 @@ class ElasticMean:
     def begin(self) -> int:
         return self.federation.quorum()  # a restarted group heals in it
 
+    @property
+    def left_out(self) -> dict[str, str]:
+        """The groups not in the last quorum: "failed" or "timed out" (fldp.roster)."""
+        return self.federation.left_out
+
     def mean(self, flat: torch.Tensor, residual: torch.Tensor | None = None):
         return self.federation.all_reduce_mean(flat)
 

@@ -101,6 +101,41 @@ def test_an_elastic_run_without_failures_trains_as_the_static_federation(tmp_pat
     assert not (tmp_path / "elastic" / "elastic_events.jsonl").exists()
 
 
+@pytest.mark.parametrize(
+    "late",
+    ["group=1,at=start,sleep=6", "group=0,at=start,sleep=6", "group=1,step=3,sleep=4"],
+    ids=["group1-starts-late", "group0-starts-late", "group1-late-to-an-aggregation"],
+)
+def test_a_late_group_is_waited_for_not_left_out(tmp_path, monkeypatch, late):
+    """No failure, one group late (its ranks sleep: at its start, before its torchft Manager exists,
+    or before an aggregation): every aggregation of both groups still has both, nobody is left out
+    and nothing heals. CI once met the first case by chance, on a loaded machine (issue 47)."""
+    cfg = compose_cfg("algorithm=fl_fsdp", "topology=local_4", *SHORT, "trainer.steps=8")
+    weights = run_elastic(cfg, tmp_path, late, monkeypatch)
+    for g in (0, 1):
+        rows = records(tmp_path, g)
+        assert steps_of(rows) == list(range(1, 9)), g
+        aggregations = [(r["step"], r["participants"], r["left_out"]) for r in rows if "participants" in r]
+        assert aggregations == [(4, 2, {}), (8, 2, {})], (g, aggregations)
+        assert not [r for r in rows if r.get("split") == "heal"], g
+    assert identical(weights[0], weights[1])
+    assert not (tmp_path / "elastic_events.jsonl").exists()
+
+
+def test_a_group_later_than_the_join_timeout_is_left_out_as_timed_out(tmp_path, monkeypatch):
+    """4 groups of one rank; group 1 sleeps 8 s before its first aggregation, with
+    cluster.join_timeout_s=2: the others' first aggregation goes on without it, and their records
+    say why. (With 2 groups torchft's lighthouse never goes on with one while it hears from the
+    other: it wants more than half of the groups it hears from.)"""
+    layout = ["algorithm=fl_fsdp", "topology=local_4", "mesh.federation=4", "mesh.shard=1"]
+    cfg = compose_cfg(*layout, *SHORT, "trainer.steps=8", "cluster.join_timeout_s=2")
+    run_elastic(cfg, tmp_path, "group=1,step=3,sleep=8", monkeypatch)
+    for g in (0, 2, 3):
+        first = next(r for r in records(tmp_path, g) if "participants" in r)
+        assert (first["step"], first["participants"], first["left_out"]) == (4, 3, {"1": "timed out"}), g
+    assert steps_of(records(tmp_path, 1))[:3] == [1, 2, 3]
+
+
 def test_a_killed_group_costs_only_itself_heals_from_a_peer_and_rejoins(tmp_path, monkeypatch):
     """fl_fsdp 4x1x2: every rank of group 2 SIGKILLed after step 5. The other groups train every
     step once; their next aggregation has 3 participants; group 2 restarts, heals from them and
@@ -110,14 +145,20 @@ def test_a_killed_group_costs_only_itself_heals_from_a_peer_and_rejoins(tmp_path
         "algorithm=fl_fsdp", "topology=local_8", "mesh.federation=4", "mesh.shard=2", *SHORT, "trainer.steps=48"
     )
     weights = run_elastic(cfg, tmp_path, "group=2,step=5", monkeypatch)
+    left_out = {}
     for g in (0, 1, 3):
         rows = records(tmp_path, g)
         assert steps_of(rows) == list(range(1, 49)), g  # no step missing or recorded twice
         participants = {r["step"]: r["participants"] for r in rows if "participants" in r}
         assert participants[4] == 4 and participants[8] == 3 and participants[48] == 4, participants
         assert all(r["committed"] for r in rows if "participants" in r)
+        left_out[g] = {r["step"]: r["left_out"] for r in rows if "participants" in r}
     rows = records(tmp_path, 2)
     heal = next(r for r in rows if r.get("split") == "heal")
+    # at step 8 group 2 was left out as failed, or its restart was back in time to heal in it
+    for g in (0, 1, 3):
+        assert left_out[g][8] == ({} if heal["step"] == 8 else {"2": "failed"}), left_out[g]
+        assert all(v == {} for step, v in left_out[g].items() if step != 8), left_out[g]
     assert set(heal["healed_from"]) <= {0, 1, 3} and len(heal["healed_from"]) == 2
     assert heal["restart"] == 1 and heal["step"] % 4 == 0 and 8 <= heal["step"] < 48
     assert steps_of(rows) == [*range(1, 6), *range(heal["step"] + 1, 49)]
