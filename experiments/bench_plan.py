@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import random
 import statistics
 import subprocess
 import sys
@@ -46,6 +47,7 @@ from fldp.cost import leads  # noqa: E402
 from fldp.data import prepare  # noqa: E402
 from fldp.mesh import mesh_shape  # noqa: E402
 from fldp.plan import BY_DIMS, layouts  # noqa: E402
+from fldp.schedule import aggregation_steps  # noqa: E402
 from fldp.steptime import MEASURED, hardware_for, phases, workload_for  # noqa: E402
 
 QUIET = ["wandb.mode=disabled", "trainer.progress=false", "trainer.eval_batches=1"]
@@ -77,9 +79,14 @@ def points(setting: list[str], everies: list[int], only: set[str]) -> list[list[
 
 def predicted(cfg, every: int | None) -> dict[str, float]:
     """Seconds per step of each phase by the step-time model, on the profile's hardware, in the run's
-    FedAvg mode."""
+    FedAvg mode; the aggregation amortised over the run's own aggregating steps, as the measurement
+    is (its last step always aggregates: with A = 16 and 8 steps, 1 in 8, not 1 in 16)."""
     hw = hardware_for(cfg.topology)
-    return phases(workload_for(cfg), mesh_shape(cfg), every, hw, MEASURED, leads(cfg))
+    by_phase = phases(workload_for(cfg), mesh_shape(cfg), every, hw, MEASURED, leads(cfg))
+    if every:
+        steps = cfg.trainer.steps
+        by_phase["aggregation"] *= every * len(aggregation_steps(((0, every),), steps)) / steps
+    return by_phase
 
 
 def interval(times: list[float]) -> tuple[float, float, float]:
@@ -115,11 +122,11 @@ def repeat_until(run_one, count: int, repeats: int, max_repeats: int, half_width
     return runs
 
 
-def measure(setting: list[str], profile: Path, args, tmp: Path) -> list[dict]:
+def measure(setting: list[str], everies: list[int], profile: Path, args, tmp: Path) -> list[dict]:
     """Every point of one setting: predicted, then run `repeats` times, interleaved (and again,
     up to `max_repeats`, where its interval is wider than +-half_width)."""
     common = [*setting, f"+topology.profile={profile}", f"trainer.steps={args.steps}", *QUIET, *args.overrides]
-    cfgs = [compose_cfg(*common, *p) for p in points(setting, args.every, set(args.layouts))]
+    cfgs = [compose_cfg(*common, *p) for p in points(setting, everies, set(args.layouts))]
     netns.check(cfgs[0], forks_locally=True)
     blocks = prepare(cfgs[0].dataset)
     import fldp.trainer  # noqa: F401  (once here, not in every forked worker)
@@ -203,11 +210,60 @@ def verdict(s: dict) -> str:
     return "; ".join(f"{name}: {'met' if ok else 'NOT met'}" for name, ok in goals)
 
 
-def main() -> None:
+def drawn(count: int, seed: int, topologies: list[str]) -> list[tuple[str, float, list[int]]]:
+    """`count` settings drawn at random (issue 47): a topology, a link cap log-uniform in [10, 400]
+    Mbit/s (to 0.1), and A from {2, 4, 8, 16}."""
+    rng = random.Random(seed)
+    return [
+        (
+            rng.choice(topologies),
+            round(math.exp(rng.uniform(math.log(10), math.log(400))), 1),
+            [rng.choice([2, 4, 8, 16])],
+        )
+        for _ in range(count)
+    ]
+
+
+def settings_of(args) -> list[tuple[str, float, list[int]]]:
+    """(topology, link Mbit/s, the values of A) of each setting: drawn (--draw), or the grid of
+    --topologies x --mbit with every --every; --twice: the first setting again at the end."""
+    topologies = args.topologies.split(",")
+    if args.draw:
+        print(f"drawing {args.draw} settings with --seed {args.seed}", flush=True)
+        found = drawn(args.draw, args.seed, topologies)
+    else:
+        found = [(t, float(m), args.every) for t in topologies for m in args.mbit.split(",")]
+    return found + found[:1] if args.twice else found
+
+
+def run_setting(index: int, topology: str, mbit: float, everies: list[int], args, tmp: Path) -> list[dict]:
+    """One setting: calibrated once (its profile in OUT), every layout predicted and measured."""
+    setting = [f"topology={topology}", f"topology.network.1.gbit_s={mbit / 1e3:g}"]
+    name = f"profile_{topology}_{mbit:g}" + (f"_{index}" if args.draw else "")
+    profile = calibrate(setting, Path(args.out) / f"{name}.yaml")
+    found = measure(setting, everies, profile, args, tmp)
+    if args.recheck:
+        drift(profile, calibrate(setting, tmp / "after.yaml"), found)
+    for row in found:
+        row["setting"] = index
+    s = summary(found)
+    print(
+        f"{topology} at {mbit:g} Mbit/s, A in {everies}: {s['layouts']} layouts, error max {s['max_error']:.0%}, "
+        f"median {s['median_error']:.0%}; the predicted fastest runs {s['first_choice_gap']:+.0%} "
+        f"against the measured fastest; Spearman {s['spearman']:.2f}\n  {verdict(s)}",
+        flush=True,
+    )
+    return found
+
+
+def arguments() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--topologies", default="netns_4x2,netns_2x4")
     ap.add_argument("--mbit", default="50,200", help="link caps, Mbit/s each way per node")
     ap.add_argument("--every", default="4,8", help="values of A")
+    ap.add_argument("--draw", type=int, default=0, help="this many settings drawn at random instead of the grid")
+    ap.add_argument("--seed", type=int, default=None, help="--draw's seed (default: one drawn and printed)")
+    ap.add_argument("--twice", action="store_true", help="the first setting measured again at the end")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument(
@@ -222,24 +278,18 @@ def main() -> None:
     args.every = [int(a) for a in args.every.split(",")]
     args.max_repeats = max(args.max_repeats, args.repeats)
     args.layouts = [x for x in args.layouts.split(",") if x]
+    if args.seed is None:
+        args.seed = random.SystemRandom().randrange(1 << 31)
+    return args
+
+
+def main() -> None:
+    args = arguments()
     start, rows = time.monotonic(), []
     Path(args.out).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        for topology in args.topologies.split(","):
-            for mbit in (float(m) for m in args.mbit.split(",")):
-                setting = [f"topology={topology}", f"topology.network.1.gbit_s={mbit / 1e3:g}"]
-                profile = calibrate(setting, Path(args.out) / f"profile_{topology}_{mbit:g}.yaml")
-                found = measure(setting, profile, args, Path(tmp))
-                if args.recheck:
-                    drift(profile, calibrate(setting, Path(tmp) / "after.yaml"), found)
-                s = summary(found)
-                print(
-                    f"{topology} at {mbit:g} Mbit/s: {s['layouts']} layouts, error max {s['max_error']:.0%}, "
-                    f"median {s['median_error']:.0%}; the predicted fastest runs {s['first_choice_gap']:+.0%} "
-                    f"against the measured fastest; Spearman {s['spearman']:.2f}\n  {verdict(s)}",
-                    flush=True,
-                )
-                rows += found
+        for index, (topology, mbit, everies) in enumerate(settings_of(args)):
+            rows += run_setting(index, topology, mbit, everies, args, Path(tmp))
     write_results(Path(args.out), rows)
     print(f"{len(rows)} rows in {Path(args.out) / 'results.csv'}, {time.monotonic() - start:.0f} s")
 

@@ -471,7 +471,7 @@ def profile(cfg, settings: Settings, tiers: list[Tier], measured: dict, compute:
     """What fldp-calibrate writes: the machine, the compute, each tier's fit and its table."""
     from .netns import from_config
     from .provenance import source_commit
-    from .steptime import sharded_terms, workload_for
+    from .steptime import sharded_terms, unreliable, workload_for
 
     out_tiers = {}
     for tier in tiers:
@@ -503,6 +503,7 @@ def profile(cfg, settings: Settings, tiers: list[Tier], measured: dict, compute:
     }
     # the sharded step against the model's terms: the optimizer's fixed part, FSDP2's own work
     out["compute"] = {**compute, **sharded_terms(out, workload_for(cfg))}
+    out["unreliable"] = unreliable(out)  # read by fldp-plan, printed below
     return out
 
 
@@ -662,6 +663,8 @@ def print_profile(prof: dict, out: str, took_s: float) -> None:
         for i in range(len(tier["sizes"])):
             table.add_row(str(tier["measured"][KINDS[0]][i][0]), *[f"{tier['measured'][k][i][1]:.4g}" for k in KINDS])
         console.print(table)
+    for note in prof["unreliable"]:
+        console.print(f"UNRELIABLE: {note}")
     console.print(f"profile: {out} (use it with +topology.profile={out})")
 
 

@@ -223,6 +223,19 @@ def main(argv: list[str] | None = None) -> None:
     _print(configs["fsdp"], fitting, dropped, top, overrides)
 
 
+def profile_notes(topology) -> list[str]:
+    """What makes the topology's calibration profile untrustworthy (fldp.steptime.unreliable), read
+    from the profile itself, whatever fldp-calibrate wrote then."""
+    if not topology.get("profile"):
+        return []
+    import yaml
+
+    from .steptime import unreliable
+
+    with open(topology.profile) as f:
+        return unreliable(yaml.safe_load(f))
+
+
 def _print(cfg, fitting, dropped, top: int, overrides: list[str]) -> None:
     from rich.console import Console
 
@@ -244,6 +257,8 @@ def _print(cfg, fitting, dropped, top: int, overrides: list[str]) -> None:
         f"Step: fldp/steptime.py's phases (seconds per step; the aggregation amortised over A) on "
         f"{source}; comm alone: fldp/cost.py's collectives without compute or overlap."
     )
+    for note in profile_notes(cfg.topology):
+        console.print(f"UNRELIABLE profile, the ranking may be off: {note}")
     console.print(f"The top {min(top, len(fitting))}, each as a multirun over 3 seeds:")
     for c in fitting[:top]:
         console.print("  " + command(c, cfg, overrides))

@@ -156,6 +156,39 @@ def sharded_terms(profile: dict, work: Workload) -> dict:
     }
 
 
+# a tier's fit further than this (root mean square, relative) from its own measurements describes
+# them poorly (issue 47: a 50 Mbit/s link's shared tier fitted at ~21%, its layouts off by 6-13%)
+RESIDUAL_LIMIT = 0.10
+
+
+def unreliable(profile: dict) -> list[str]:
+    """What makes a calibration profile's model untrustworthy, one sentence each: a tier's fit far
+    from its measurements, or a term the fit held at its bound (a clamp, not a measurement)."""
+    notes = []
+    for name, tier in (profile.get("tiers") or {}).items():
+        if tier.get("residual", 0.0) > RESIDUAL_LIMIT:
+            notes.append(
+                f"tier {name}: its fit is {tier['residual']:.0%} (rms) off its own measurements "
+                f"(over {RESIDUAL_LIMIT:.0%}): its alpha and beta describe them poorly"
+            )
+        if tier["alpha_s"] <= 0:
+            notes.append(f"tier {name}: alpha fitted to its bound 0")
+        if not math.isfinite(tier["beta_bytes_s"]):
+            notes.append(f"tier {name}: beta fitted to its bound (infinite: bytes cost nothing)")
+    compute = profile.get("compute") or {}
+    bounds = {
+        "fsdp_forward_s": "FSDP2's forward seconds per collective",
+        "fsdp_backward_s": "FSDP2's backward seconds per collective",
+        "optimizer_fixed_s": "the optimizer's fixed part",
+    }
+    for key, what in bounds.items():
+        if key in compute and compute[key] <= 0:
+            notes.append(f"{what} fitted to its bound 0: the sharded step was not slower than the model's other terms")
+    if not math.isfinite(compute.get("optimizer_bytes_s_fit", 0.0)):
+        notes.append("the optimizer's per-byte part fitted to its bound 0: the sharded step's optimizer was not faster")
+    return notes
+
+
 def fsdp_collectives(work: Workload) -> tuple[int, int]:
     """FSDP2's collectives in a sharded step's forward (every unit gathered) and backward (each
     layer gathered and reduced, the root, held since forward, reduced)."""
