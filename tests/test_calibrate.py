@@ -250,7 +250,7 @@ def test_the_plan_benchmark_reduced_calibrates_the_link_and_sets_prediction_besi
         assert float(r["predicted_s"]) > 0 and float(r["measured_low"]) <= float(r["measured_s"]) <= float(
             r["measured_high"]
         )
-    assert "netns_2x4 at 200 Mbit/s: 2 layouts" in out, out
+    assert "netns_2x4 at 200 Mbit/s, A in [8]: 2 layouts" in out, out
 
 
 def test_the_plan_benchmark_s_recheck_sets_the_step_after_the_runs_beside_the_one_before(tmp_path, capsys, monkeypatch):
