@@ -193,7 +193,6 @@ class FedAvg:
         that are views of a bucket ("copy_() on an invalid python storage", torch 2.13, measured)."""
         self.config, self.shape, self.last_step, self.model = config, shape, last_step, model
         self.participants = shape.federation  # the groups in the last aggregation
-        self.left_out: dict[str, str] = {}  # elastic: the groups not in it, and why (fldp.roster)
         named = list(model.named_parameters())
         self.named = [(n, p) for (n, p), keep in zip(named, config.federated([n for n, _ in named])) if keep]
         self.replicate = mesh["replicate"].get_group()
@@ -283,7 +282,6 @@ class FedAvg:
         check_live(self.model, self._sources, self.buckets)
         chosen = self._chosen(fragments)
         self.participants = self.transport.begin()
-        self.left_out = getattr(self.transport, "left_out", {})
         if self.transport.deferred:
             return self._deferred(chosen, outer_step)
         pending: collections.deque[tuple[int, Bucket, torch.Tensor, object]] = collections.deque()

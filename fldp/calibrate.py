@@ -471,7 +471,7 @@ def profile(cfg, settings: Settings, tiers: list[Tier], measured: dict, compute:
     """What fldp-calibrate writes: the machine, the compute, each tier's fit and its table."""
     from .netns import from_config
     from .provenance import source_commit
-    from .steptime import sharded_terms, unreliable, workload_for
+    from .steptime import sharded_terms, workload_for
 
     out_tiers = {}
     for tier in tiers:
@@ -503,7 +503,6 @@ def profile(cfg, settings: Settings, tiers: list[Tier], measured: dict, compute:
     }
     # the sharded step against the model's terms: the optimizer's fixed part, FSDP2's own work
     out["compute"] = {**compute, **sharded_terms(out, workload_for(cfg))}
-    out["unreliable"] = unreliable(out)  # read by fldp-plan, printed below
     return out
 
 
@@ -609,9 +608,9 @@ def main(argv: list[str] | None = None) -> None:
 
     def parse():
         settings, overrides = settings_of(args)
-        return settings, compose(overrides)
+        return settings, overrides, compose(overrides)
 
-    settings, cfg = parsed_or_exit("fldp-calibrate", parse)
+    settings, overrides, cfg = parsed_or_exit("fldp-calibrate", parse)
     out = settings.out or default_out()
     start = time.monotonic()
     try:
@@ -623,7 +622,20 @@ def main(argv: list[str] | None = None) -> None:
         print(f"fldp-calibrate: {e}", file=sys.stderr)
         raise SystemExit(1) from None
     if measured:
-        print_profile(yaml.safe_load(Path(out).read_text()), out, time.monotonic() - start)
+        prof = yaml.safe_load(Path(out).read_text())
+        prof["unreliable"] = judged(overrides, out)
+        write(prof, out)
+        print_profile(prof, out, time.monotonic() - start)
+
+
+def judged(overrides: list[str], out: str) -> list[str]:
+    """What makes the new profile doubtful for its own topology's layouts (fldp.plan.caveats, at
+    fldp-plan's default A values): written into it, and printed."""
+    from . import plan
+
+    configs = plan.compose([*overrides, f"+topology.profile={Path(out).absolute()}"])
+    fitting, _ = plan.ranked(plan.candidates(configs, [4, 8, 16]))
+    return plan.caveats(configs, fitting)
 
 
 def print_profile(prof: dict, out: str, took_s: float) -> None:
@@ -663,7 +675,7 @@ def print_profile(prof: dict, out: str, took_s: float) -> None:
         for i in range(len(tier["sizes"])):
             table.add_row(str(tier["measured"][KINDS[0]][i][0]), *[f"{tier['measured'][k][i][1]:.4g}" for k in KINDS])
         console.print(table)
-    for note in prof["unreliable"]:
+    for note in prof.get("unreliable", []):
         console.print(f"UNRELIABLE: {note}")
     console.print(f"profile: {out} (use it with +topology.profile={out})")
 

@@ -552,7 +552,7 @@ def run_slurm(cfg, run_dir: str, shape) -> None:
         env["MASTER_PORT"] = str(group_step_port(shape, job_id, group.index, group.restart))
         with log_path.open("w") as out:
             popen = subprocess.Popen(
-                group_step_command(shape, cfg.topology, group.index, group.restart, spec, meet),
+                group_step_command(shape, cfg.topology, group.index, group.restart, spec, meet.lighthouse, meet.roster),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=env,

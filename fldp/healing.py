@@ -47,7 +47,7 @@ class Healing:
             "restart": self.member.restart,
             "healed_from": sources,
             "participants": self.state.fedavg.participants,
-            "left_out": self.state.fedavg.left_out,
+            "left_out": self.federation.left_out,
             "committed": committed,
             "time_heal": time_heal,
             "healed_at": time.time(),  # unix time: when it rejoined

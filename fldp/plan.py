@@ -47,6 +47,10 @@ class Candidate:
     def mesh(self) -> str:
         return f"{self.federation}x{self.replicate}x{self.shard}"
 
+    @property
+    def shape(self) -> MeshShape:
+        return MeshShape(self.federation, self.replicate, self.shard)
+
 
 def layouts(world: int) -> list[MeshShape]:
     """Every (F, R, S) with F x R x S = world."""
@@ -220,23 +224,54 @@ def main(argv: list[str] | None = None) -> None:
     if as_json:
         print(json.dumps([{**asdict(c), "mesh": c.mesh} for c in fitting + dropped], indent=1))
         return
-    _print(configs["fsdp"], fitting, dropped, top, overrides)
+    _print(configs["fsdp"], fitting, dropped, top, overrides, caveats(configs, fitting))
 
 
-def profile_notes(topology) -> list[str]:
-    """What makes the topology's calibration profile untrustworthy (fldp.steptime.unreliable), read
-    from the profile itself, whatever fldp-calibrate wrote then."""
-    if not topology.get("profile"):
+def caveats(configs: dict, fitting: list[Candidate]) -> list[str]:
+    """What makes the ranking on the topology's calibration profile doubtful, one sentence each:
+    the compute terms fitted to a bound (fldp.steptime.clamped), and each tier whose fit is so far
+    off its own measurements that, were its collectives as far off, a layout's step would move by
+    more than steptime.SENSITIVITY (a tier nobody's step leans on may fit poorly)."""
+    cfg = configs["fsdp"]
+    if not cfg.topology.get("profile"):
         return []
     import yaml
 
-    from .steptime import unreliable
+    from .cost import config_shapes, leads
+    from .steptime import (
+        SENSITIVITY,
+        TIER_TERMS,
+        clamped,
+        efficiency_for,
+        hardware_for,
+        phases,
+        slower_tier,
+        workload_of,
+    )
 
-    with open(topology.profile) as f:
-        return unreliable(yaml.safe_load(f))
+    with open(cfg.topology.profile) as f:
+        profile = yaml.safe_load(f)
+    shapes, _, units = config_shapes(cfg)
+    work, hw, eff = workload_of(cfg, shapes, units), hardware_for(cfg.topology), efficiency_for(cfg.topology)
+    notes, tiers = clamped(profile), profile.get("tiers") or {}
+    for name, tier in tiers.items():
+        if name not in TIER_TERMS or not fitting:
+            continue
+        slow = slower_tier(hw, name, 1 + tier["residual"], "inter-node-shared" in tiers)
+        moved = [
+            (sum(phases(work, c.shape, c.every, slow, eff, leads(configs[c.algorithm])).values()) / c.step_s - 1, c)
+            for c in fitting
+        ]
+        most, worst = max(moved, key=lambda m: m[0])
+        if most > SENSITIVITY:
+            notes.append(
+                f"tier {name}: its fit is {tier['residual']:.0%} (rms) off its own measurements; were its "
+                f"collectives as far off, {worst.algorithm} {worst.mesh}'s step would take {most:+.0%}"
+            )
+    return notes
 
 
-def _print(cfg, fitting, dropped, top: int, overrides: list[str]) -> None:
+def _print(cfg, fitting, dropped, top: int, overrides: list[str], notes: list[str]) -> None:
     from rich.console import Console
 
     console = Console(highlight=False, markup=False, width=None if sys.stdout.isatty() else 200)
@@ -257,7 +292,7 @@ def _print(cfg, fitting, dropped, top: int, overrides: list[str]) -> None:
         f"Step: fldp/steptime.py's phases (seconds per step; the aggregation amortised over A) on "
         f"{source}; comm alone: fldp/cost.py's collectives without compute or overlap."
     )
-    for note in profile_notes(cfg.topology):
+    for note in notes:
         console.print(f"UNRELIABLE profile, the ranking may be off: {note}")
     console.print(f"The top {min(top, len(fitting))}, each as a multirun over 3 seeds:")
     for c in fitting[:top]:

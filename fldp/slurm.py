@@ -103,7 +103,7 @@ def requeue(cfg, run_dir: str, step: int):
 # --- elastic federation: each federation group a job step of the one job (fldp/elastic.py) ------
 
 
-def group_step_command(shape, topology, group: int, restart: int, spec, meet) -> list[str]:
+def group_step_command(shape, topology, group: int, restart: int, spec, lighthouse: str, roster: str) -> list[str]:
     """The srun that starts group `group`'s ranks as a job step: on the nodes of its ranks' places in
     the whole run (node-major), sharing the allocation with the other groups and the supervisor;
     srun ends the step, and only it, when one of its tasks dies."""
@@ -125,8 +125,8 @@ def group_step_command(shape, topology, group: int, restart: int, spec, meet) ->
         str(spec),
         str(group),
         str(restart),
-        meet.lighthouse,
-        meet.roster,
+        lighthouse,
+        roster,
     ]
 
 
@@ -141,7 +141,7 @@ def elastic_plan(cfg, shape: MeshShape, run_dir: str) -> str:
     """What the dry run shows of an elastic run's job: the supervisor's part and each group's step."""
     spec = Path(run_dir).absolute() / "elastic_logs" / "run.pkl"
     steps = "\n".join(
-        shlex.join(group_step_command(shape, cfg.topology, g, 0, spec, "http://FIRST_NODE:PORT"))
+        shlex.join(group_step_command(shape, cfg.topology, g, 0, spec, "http://FIRST_NODE:PORT", "FIRST_NODE:PORT"))
         for g in range(shape.federation)
     )
     return (

@@ -196,5 +196,5 @@ def step_row(
     if outcome.aggregated:  # algorithm.streaming: which parts of the model
         row.update(fragment_fields(fedavg.config, outcome.exchange))
     if elastic and outcome.aggregated:  # the groups in it, those left out and why, and whether it was applied
-        row.update(participants=fedavg.participants, left_out=fedavg.left_out, committed=outcome.committed)
+        row.update(participants=fedavg.participants, left_out=fedavg.transport.left_out, committed=outcome.committed)
     return row

@@ -122,6 +122,18 @@ def test_a_late_group_is_waited_for_not_left_out(tmp_path, monkeypatch, late):
     assert not (tmp_path / "elastic_events.jsonl").exists()
 
 
+def test_a_group_that_dies_before_answering_the_roll_call_is_not_waited_for(tmp_path, monkeypatch, capfd):
+    """Group 1 dies as it starts, before its torchft Manager exists: the supervisor's word that it
+    failed completes the roll call, so group 0 trains on without waiting cluster.join_timeout_s
+    for it (it would log that group 1 had not started); the restarted group 1 heals from it."""
+    cfg = compose_cfg("algorithm=fl_fsdp", "topology=local_4", *SHORT, "trainer.steps=24", "cluster.join_timeout_s=60")
+    weights = run_elastic(cfg, tmp_path, "group=1,at=start", monkeypatch)
+    assert "had not started after cluster.join_timeout_s" not in capfd.readouterr().err
+    heal = next(r for r in records(tmp_path, 1) if r.get("split") == "heal")
+    assert heal["restart"] == 1 and heal["healed_from"] == [0, 0]
+    assert identical(weights[0], weights[1])
+
+
 def test_a_group_later_than_the_join_timeout_is_left_out_as_timed_out(tmp_path, monkeypatch):
     """4 groups of one rank; group 1 sleeps 8 s before its first aggregation, with
     cluster.join_timeout_s=2: the others' first aggregation goes on without it, and their records

@@ -275,7 +275,9 @@ def test_an_elastic_runs_dry_run_shows_the_supervisor_and_each_groups_job_step(t
     out = run.stdout
     assert re.search(r"^srun .* --nodes=1 --ntasks=1 \S+python\S* -u -m submitit.core._submit", out, re.M), out
     assert "#SBATCH --requeue" not in out and "#SBATCH --nodes=2" in out and "#SBATCH --ntasks-per-node=4" in out
-    steps = re.findall(r"^srun --overlap (.*) -m fldp.group_step \S+ (\d) 0 http://FIRST_NODE:PORT$", out, re.M)
+    steps = re.findall(
+        r"^srun --overlap (.*) -m fldp.group_step \S+ (\d) 0 http://FIRST_NODE:PORT FIRST_NODE:PORT$", out, re.M
+    )
     assert [(g, opts.split()[:4]) for opts, g in steps] == [
         (str(g), ["--nodes=1", f"--relative={g}", "--ntasks=4", "--ntasks-per-node=4"]) for g in (0, 1)
     ], out
