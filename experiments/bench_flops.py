@@ -118,7 +118,7 @@ def main() -> None:
         for model in args.models.split(","):
             for algorithm in args.algorithms.split(","):
                 rows.append(row(model, algorithm, args, Path(tmp)))
-    write_results(Path(args.out), rows)
+                write_results(Path(args.out), rows)  # each row as it lands: a larger model may not fit
     print(f"{len(rows)} rows in {Path(args.out) / 'results.csv'}, {time.monotonic() - start:.0f} s")
 
 

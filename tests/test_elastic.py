@@ -135,13 +135,14 @@ def test_a_group_that_dies_before_answering_the_roll_call_is_not_waited_for(tmp_
 
 
 def test_a_group_later_than_the_join_timeout_is_left_out_as_timed_out(tmp_path, monkeypatch):
-    """4 groups of one rank; group 1 sleeps 8 s before its first aggregation, with
-    cluster.join_timeout_s=2: the others' first aggregation goes on without it, and their records
-    say why. (With 2 groups torchft's lighthouse never goes on with one while it hears from the
-    other: it wants more than half of the groups it hears from.)"""
+    """4 groups of one rank; group 1 sleeps 15 s before its first aggregation, with
+    cluster.join_timeout_s=5 (the others, untouched, must not lag 5 s behind each other): their
+    first aggregation goes on without it, and their records say why. (With 2 groups torchft's
+    lighthouse never goes on with one while it hears from the other: it wants more than half of
+    the groups it hears from.)"""
     layout = ["algorithm=fl_fsdp", "topology=local_4", "mesh.federation=4", "mesh.shard=1"]
-    cfg = compose_cfg(*layout, *SHORT, "trainer.steps=8", "cluster.join_timeout_s=2")
-    run_elastic(cfg, tmp_path, "group=1,step=3,sleep=8", monkeypatch)
+    cfg = compose_cfg(*layout, *SHORT, "trainer.steps=8", "cluster.join_timeout_s=5")
+    run_elastic(cfg, tmp_path, "group=1,step=3,sleep=15", monkeypatch)
     for g in (0, 2, 3):
         first = next(r for r in records(tmp_path, g) if "participants" in r)
         assert (first["step"], first["participants"], first["left_out"]) == (4, 3, {"1": "timed out"}), g

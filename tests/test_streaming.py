@@ -94,10 +94,13 @@ def torchft_group(group: int, lighthouse: str, cfg, out: str, delay: int = 0, al
 def test_fragments_and_their_schedule_equal_torchfts_diloco(tmp_path, overlap, alpha):
     """fl_fsdp 2x1x1 with DiLoCo's outer Nesterov SGD, 2 strided fragments, A = 4 (a fragment every 2
     steps): per step, the groups' mean loss equals torchft's DiLoCo's within 1e-6 (relative), and the
-    weights after step 12 (6 fragment syncs) within 1e-6 (absolute, on weights of ~0.1: measured up to
-    5e-7, on embedding rows, where AdamW's small second moments amplify the different float order of
-    the two averages, fldp's anchor - mean(weights) and torchft's mean(anchor - weights)). fldp also
-    aggregates every fragment at the last step, which torchft does not: compared up to it.
+    weights after step 12 (6 fragment syncs) within 1e-6 (absolute, on weights of ~0.1), but for the
+    embedding: AdamW's small second moments on its rarely seen rows amplify the different float order
+    of the two averages (fldp's anchor - mean(weights), torchft's mean(anchor - weights)), so it is
+    held to 1e-5, the golden records' bound across CPU kernel sets (measured: up to 5e-7 on the
+    earlier machine; 1.69e-6 on one element of 262,144 with overlap 0 on 2026-12-07's AMD EPYC VM,
+    every other parameter within 3.6e-7). fldp also aggregates every fragment at the last step,
+    which torchft does not: compared up to it.
     With overlap 1 and alpha 0.5 (torchft's fragment_sync_delay and fragment_update_alpha): each
     all-reduce in flight during one step, then mixed half and half with the local weights."""
     from torchft.coordination import LighthouseServer
@@ -138,7 +141,8 @@ def test_fragments_and_their_schedule_equal_torchfts_diloco(tmp_path, overlap, a
         mine = snap.load(g, 0, STEPS - 1)
         assert mine.keys() == peers[g]["weights"].keys()
         for name, value in mine.items():
-            torch.testing.assert_close(value, peers[g]["weights"][name], rtol=1e-6, atol=1e-6, msg=name)
+            tolerance = 1e-5 if name == "model.embed_tokens.weight" else 1e-6
+            torch.testing.assert_close(value, peers[g]["weights"][name], rtol=1e-6, atol=tolerance, msg=name)
 
 
 def test_one_fragment_is_the_aggregation_without_streaming_bit_for_bit(tmp_path):
