@@ -348,7 +348,7 @@ def run_local(fn, args: tuple, shape, cluster_cfg, run_dir: str, network=None) -
         place = group.index * shape.group_size  # the group's first rank in the whole run
         if network is None:
             addr = cluster_cfg.master_addr
-            port = launch.free_port(addr)
+            port = launch.RankZeroPort(ctx, shape.group_size)
         else:  # the group's first node, a port no other group or incarnation has used there
             addr = network.address(network.node_of(place))
             port = network.port + 1 + group.index + shape.federation * group.restart
@@ -380,7 +380,9 @@ def run_local(fn, args: tuple, shape, cluster_cfg, run_dir: str, network=None) -
             p.start()
         group.cause = lambda: _first_report(errors)
 
-    if network is not None:
+    if network is None:
+        launch.check_listenable(cluster_cfg.master_addr)
+    else:
         network.create()
     try:
         _supervise(start, shape, cluster_cfg, run_dir, network)

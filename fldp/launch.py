@@ -73,31 +73,51 @@ def rendezvous(environ=os.environ) -> tuple[str, int]:
     return addr, int(port)
 
 
-def init_process_group(env: RankEnv, device_type: str, timeout_s: float) -> torch.device:
-    """gloo on CPU, NCCL on CUDA (one GPU per local rank)."""
+def init_process_group(env: RankEnv, device_type: str, timeout_s: float, store=None) -> torch.device:
+    """gloo on CPU, NCCL on CUDA (one GPU per local rank); `store`: the rendezvous already made
+    (RankZeroPort), else tcp:// at env's address, whose port rank 0 binds."""
     if device_type == "cuda":
         device = torch.device("cuda", env.local_rank)
         torch.cuda.set_device(device)
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{env.master_addr}:{env.master_port}",
-        rank=env.rank,
-        world_size=env.world,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    meet = {"store": store} if store is not None else {"init_method": f"tcp://{env.master_addr}:{env.master_port}"}
+    dist.init_process_group(backend, rank=env.rank, world_size=env.world, timeout=timedelta(seconds=timeout_s), **meet)
     return device
 
 
-def free_port(addr: str) -> int:
+def check_listenable(addr: str) -> None:
+    """ConfigError, before any worker starts, when this machine cannot listen at `addr`."""
     with socket.socket() as s:
         try:
             s.bind((addr, 0))
         except (OSError, TypeError, OverflowError) as e:  # a name that does not resolve, an address not here
             raise ConfigError(f"cluster.master_addr={addr!r}: cannot listen there ({e})") from None
-        return s.getsockname()[1]
+
+
+class RankZeroPort:
+    """The rendezvous port of forked workers when none is configured: rank 0 binds port 0 (the
+    kernel's choice, held from that moment) and hands the number to the others. A port found
+    free by the launcher and bound by rank 0 later could be taken in between by any other
+    process: a fresh-clone CI run failed so, EADDRINUSE, beside another test's workers."""
+
+    def __init__(self, ctx, world: int):
+        self.world, self.ports = world, ctx.SimpleQueue()
+
+    def meet(self, rank: int, addr: str, timeout_s: float):
+        """(the store, its port) for `rank`; the others wait for rank 0's number (a rank 0 that
+        dies first is seen by the launcher, which stops them)."""
+        from torch.distributed import TCPStore
+
+        timeout = timedelta(seconds=timeout_s)
+        if rank == 0:
+            store = TCPStore(addr, 0, self.world, is_master=True, wait_for_workers=False, timeout=timeout)
+            for _ in range(self.world - 1):
+                self.ports.put(store.port)
+            return store, store.port
+        port = self.ports.get()
+        return TCPStore(addr, port, self.world, is_master=False, timeout=timeout), port
 
 
 def _die_with_parent(parent: int) -> None:
@@ -148,10 +168,13 @@ def _local_worker(
             network.enter(place + index)
         # Each of the N workers gets its own slice of the cores.
         torch.set_num_threads(threads)
-        os.environ.update(
+        store = None
+        if isinstance(port, RankZeroPort):
+            store, port = port.meet(index, addr, timeout_s)
+        os.environ.update(  # MASTER_*: torchft's Manager joins the same store
             RANK=str(index), WORLD_SIZE=str(world), LOCAL_RANK=str(index), MASTER_ADDR=addr, MASTER_PORT=str(port)
         )
-        device = init_process_group(RankEnv(index, world, index, addr, port), device_type, timeout_s)
+        device = init_process_group(RankEnv(index, world, index, addr, port), device_type, timeout_s, store)
         fn(*args, device)
     except BaseException as e:
         # Report before any teardown: closing this rank's connections makes its peers fail next.
@@ -190,9 +213,9 @@ def run_local(fn, args: tuple, world: int, device_type: str, cluster_cfg, networ
 
     When a worker fails, the others are stopped and the error raised is the FIRST one: once a rank
     dies its peers fail too, with "connection closed by peer", which says nothing of the cause."""
-    addr, port = _rendezvous_of(cluster_cfg, network)
-    stop_tqdm_monitors()
     ctx = mp.get_context("fork")
+    addr, port = _rendezvous_of(cluster_cfg, network, ctx, world)
+    stop_tqdm_monitors()
     errors = ctx.SimpleQueue()
     rank_args = (world, addr, port, device_type, cluster_cfg.timeout_s, cluster_cfg.threads_per_worker, errors)
     procs = [
@@ -223,13 +246,14 @@ def run_local(fn, args: tuple, world: int, device_type: str, cluster_cfg, networ
     _raise_first_failure(sorted(_drain(errors)), deaths)
 
 
-def _rendezvous_of(cluster_cfg, network) -> tuple[str, int]:
-    """Where the forked workers meet: rank 0's node on emulated nodes, else cluster.master_addr;
-    cluster.master_port, or a free port."""
+def _rendezvous_of(cluster_cfg, network, ctx, world: int) -> tuple[str, int | RankZeroPort]:
+    """Where the forked workers meet: rank 0's node on emulated nodes (a namespace of this run's
+    own: its port is free), else cluster.master_addr; cluster.master_port, or rank 0's choice."""
     if network is not None:
         return network.master_addr, cluster_cfg.master_port or network.port
     addr = cluster_cfg.master_addr
-    return addr, cluster_cfg.master_port or free_port(addr)
+    check_listenable(addr)
+    return addr, cluster_cfg.master_port or RankZeroPort(ctx, world)
 
 
 def _raise_first_failure(failures: list, deaths: list) -> None:

@@ -142,10 +142,13 @@ def closing_hub():
     hub.server.close()
 
 
-def closed_port() -> str:
-    """A loopback port nothing listens on (bound, then released): connections are refused."""
-    with socket.create_server(("127.0.0.1", 0)) as s:
-        return f"http://127.0.0.1:{s.getsockname()[1]}"
+@pytest.fixture
+def closed_port():
+    """A loopback port nothing listens on, held bound for the test (a port released could be
+    taken, and answered, by another process): connections are refused."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
 def run_clean_mc4_it(tmp_path, **env) -> subprocess.CompletedProcess:
@@ -192,8 +195,8 @@ def test_offline_mode_refuses_a_hub_tokenizer_at_once_naming_it(tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_an_unreachable_hub_refuses_a_hub_tokenizer_naming_it(tmp_path):
-    endpoint = closed_port()
+def test_an_unreachable_hub_refuses_a_hub_tokenizer_naming_it(tmp_path, closed_port):
+    endpoint = closed_port
     out = run_clean_mc4_it(tmp_path, HF_ENDPOINT=endpoint)
     assert out.returncode == 2, out.stderr[-2000:]
     assert f"{TOKENIZER_REFUSED}the hub cannot be reached at {endpoint} (ConnectionRefusedError" in out.stderr, (

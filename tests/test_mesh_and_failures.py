@@ -1,5 +1,6 @@
 """Mesh validation, the shard-alignment check and failing workers, on real processes over gloo."""
 
+import contextlib
 import os
 import time
 
@@ -129,6 +130,42 @@ def test_a_failing_worker_ends_the_whole_run(tmp_path):
         run_world(_fail_on_rank_2, 4, timeout_s=600)
     children = [p for p in os.listdir("/proc") if p.isdigit() and _parent(p) == os.getpid()]
     assert not children, f"worker processes left behind: {children}"
+
+
+def _all_reduce_one(device):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == dist.get_world_size()
+
+
+@pytest.mark.timeout(120)
+def test_a_port_taken_after_the_launcher_looked_does_not_fail_the_rendezvous(monkeypatch):
+    """Another process binds, as the first worker starts, any port the launcher has already chosen
+    for the rendezvous (a port found free, then handed to rank 0): seen in a fresh-clone CI run as
+    EADDRINUSE beside another test's workers. Rank 0 must hold its port from the moment it is chosen."""
+    import socket
+    from multiprocessing.context import ForkProcess
+
+    stolen: list[socket.socket] = []
+    start = ForkProcess.start
+
+    def steal_then_start(self):
+        if not stolen:
+            addr = next(a for a in self._args if a == "127.0.0.1")
+            for port in [a for a in self._args if type(a) is int and 1024 < a < 65536]:
+                s = socket.socket()
+                with contextlib.suppress(OSError):  # not a port at all
+                    s.bind((addr, port))
+                    s.listen()
+                stolen.append(s)
+        start(self)
+
+    monkeypatch.setattr(ForkProcess, "start", steal_then_start)
+    try:
+        run_world(_all_reduce_one, 3)
+    finally:
+        for s in stolen:
+            s.close()
 
 
 def _progress_bar(device):
