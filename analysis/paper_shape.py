@@ -107,7 +107,7 @@ def losses(df: pd.DataFrame, out: Path) -> Path:
     """Every run's training loss at every step, one row each (run, phase, algorithm, lr, seed, step,
     loss): runs.csv keeps one number per run, and the curves cannot be re-derived without rerunning
     the study (issue 33). gzip's mtime fixed at 0: the same runs give the same bytes."""
-    keys = [c for c in ("run", "phase", "algorithm", "reductions", "block", "lr", "seed") if c in df.columns]
+    keys = [c for c in ("run", "phase", "arm", "algorithm", "reductions", "block", "lr", "seed") if c in df.columns]
     rows = df[[*keys, "step", "loss"]].explode(["step", "loss"])
     path = out / LOSSES
     rows.sort_values(["run", "step"], kind="stable").to_csv(

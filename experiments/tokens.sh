@@ -21,7 +21,7 @@ study_args tokens "noise16|judge" "$@"
 N=5 NOISE_STEPS=() JUDGE_STEPS=(trainer.steps=64)
 if [ "$REDUCED" = 1 ]; then
     N=2 NOISE_STEPS=(trainer.steps=4) JUDGE_STEPS=(trainer.steps=4) NOISE_SEEDS=0,1
-    OVERRIDES=(topology=local_4x2 cluster.noise_scale_every=2 "${OVERRIDES[@]}")
+    OVERRIDES=(topology=local_4x2 cluster.noise_scale_every=2 dataset.eval_blocks=64 "${OVERRIDES[@]}")
 else
     NOISE_SEEDS=0,1,2
 fi

@@ -15,7 +15,8 @@ that aggregation, and sending its peer's copy would count the peer twice.
 
 The launcher starts the lighthouse and each group, restarts a failed group up to
 `cluster.max_restarts` times, and ends the run clearly when the lighthouse dies, a group fails more
-often than that, or a group fails with no live peer left to heal from: `run_local` forks each group's
+often than that, or no group finishes; a group that fails, or comes back, after every other group
+has finished ends early, recorded, and the run is theirs: `run_local` forks each group's
 ranks (on emulated nodes too); under SLURM, `run_slurm`, the one task of the run's job, starts each
 group as a job step of that job (fldp.group_step).
 """
@@ -40,7 +41,7 @@ import torch
 
 from . import faults
 from .config import default_of
-from .errors import ConfigError, Interrupted, WorkerError
+from .errors import ConfigError, Interrupted, NoPeerToHealFrom, WorkerError
 from .roster import FAILED, Roster, answer, serve
 from .streaming import StreamingConfig
 
@@ -317,16 +318,28 @@ def _lighthouse(out, failures, parent: int, network, groups: int, join_timeout_s
 
 class _Group:
     """One federation group's processes (its forked ranks, or the srun of its job step): started,
-    watched, stopped and restarted together. `cause()`: what its failure said."""
+    watched, stopped and restarted together. `cause()`: what its failure said. `ended_early`: why
+    it ended before the run's last step while the others finished it (it failed after they had
+    finished, or came back from a restart after they had: NoPeerToHealFrom), else None."""
 
     def __init__(self, index: int):
         self.index, self.restart = index, 0
         self.procs: list = []
         self.cause: Callable[[], str | None] = lambda: None
+        self.ended_early: str | None = None
 
     @property
     def finished(self) -> bool:
-        return all(p.exitcode == 0 for p in self.procs)
+        return bool(self.procs) and all(p.exitcode == 0 for p in self.procs)
+
+    @property
+    def came_back_alone(self) -> bool:
+        return any(p.exitcode == NoPeerToHealFrom.EXIT_CODE for p in self.procs)
+
+    @property
+    def over(self) -> bool:
+        """Nothing more to wait for: it finished, or ended early."""
+        return self.finished or self.ended_early is not None
 
     def alive(self):
         return [p for p in self.procs if p.exitcode is None]
@@ -437,23 +450,45 @@ def _supervise(start, shape, cluster_cfg, run_dir: str, network=None) -> None:
                         f"the torchft lighthouse died (exit code {lighthouse.exitcode}): "
                         "the groups can no longer form a quorum"
                     )
-                failed = next(((g, p) for g in groups for p in g.procs if p.exitcode not in (None, 0)), None)
+                for g in groups:
+                    if g.came_back_alone and g.ended_early is None:
+                        launch._stop(g.alive())
+                        _ended_early(g, "it came back from a restart after every other group had ended", events)
+                live = [g for g in groups if g.ended_early is None]
+                failed = next(((g, p) for g in live for p in g.procs if p.exitcode not in (None, 0)), None)
                 if failed:
                     failures.put(failed[0].index)  # the roll call waits no longer for it
-                    _failed(*failed, groups, events, restart_failed, max_restarts, launch)
-                    begin(failed[0], meet)
+                    if _failed(*failed, groups, events, restart_failed, max_restarts, launch):
+                        begin(failed[0], meet)
                     continue
-                if all(g.finished for g in groups):
+                if all(g.over for g in groups):
                     break
                 wait([lighthouse.sentinel, *(p.sentinel for g in groups for p in g.alive() if p.sentinel)], timeout=1.0)
         finally:
             launch._stop([p for p in every if p.pid is not None])
     if interrupts.signum:
         raise Interrupted(interrupts.signum)
+    if not any(g.finished for g in groups):
+        raise WorkerError(
+            "no federation group finished the run: " + "; ".join(f"group {g.index} {g.ended_early}" for g in groups)
+        )
 
 
-def _failed(group: _Group, proc, groups: list, events: Path, restart_failed: bool, max_restarts: int, launch) -> None:
-    """A process of `group` died: stop the group's others and record it; raise if it is not restarted."""
+def _ended_early(group: _Group, why: str, events: Path) -> None:
+    """Records that `group` ended before the run's last step while others finish it: the run's
+    result is theirs (the aggregations it missed name it in `left_out`)."""
+    group.ended_early = why
+    logging.getLogger(__name__).warning(
+        "federation group %d ended early (%s): the run's result is the other groups'", group.index, why
+    )
+    with contextlib.suppress(OSError):
+        with events.open("a") as f:
+            f.write(json.dumps({"event": "ended early", "time": time.time(), "group": group.index, "why": why}) + "\n")
+
+
+def _failed(group: _Group, proc, groups: list, events: Path, restart_failed: bool, max_restarts: int, launch) -> bool:
+    """A process of `group` died: stop the group's others and record it. True: restart it; False:
+    every other group has finished, so the run ends with theirs; raises when it can go on neither way."""
     rank, noticed = group.procs.index(proc), time.time()
     time.sleep(launch._GRACE_S)  # its peers in the group fail next: let the first error arrive
     launch._stop(group.alive())
@@ -467,7 +502,7 @@ def _failed(group: _Group, proc, groups: list, events: Path, restart_failed: boo
     )
     report = group.cause()
     cause = f"{ends}; the first error reported:\n{report}" if report else f"{ends}, without a Python error"
-    others_running = any(not g.finished for g in groups if g is not group)
+    others_running = any(not g.over for g in groups if g is not group)
     restarting = restart_failed and group.restart < max_restarts and others_running
     event = {
         "event": "failure",
@@ -481,16 +516,18 @@ def _failed(group: _Group, proc, groups: list, events: Path, restart_failed: boo
     with contextlib.suppress(OSError):  # a disk that refuses it: the failure is still reported, below or by a heal row
         with events.open("a") as f:
             f.write(json.dumps(event) + "\n")
+    if not restarting and restart_failed and not others_running and group.restart < max_restarts:
+        _ended_early(group, f"it failed after every other group had finished ({how})", events)
+        return False
     if not restarting:
         why = (
             "cluster.restart_failed_groups=false"
             if not restart_failed
             else f"it failed {group.restart + 1} times (cluster.max_restarts={max_restarts})"
-            if group.restart >= max_restarts
-            else "no other group is left to heal it from"
         )
         raise WorkerError(f"federation group {group.index} failed and is not restarted ({why}):\n{cause}")
     group.restart += 1
+    return True
 
 
 # ---- under SLURM: each group a job step of the run's one job, the lighthouse on its first node ----

@@ -20,6 +20,14 @@ class WriteError(RuntimeError):
     where the write failed would bury it and says nothing more."""
 
 
+class NoPeerToHealFrom(RuntimeError):
+    """A restarted federation group found no live group to heal from: every other one had ended.
+    Not a failure of its own: its ranks exit with EXIT_CODE, and the supervisor (fldp.elastic) ends
+    the run with the groups that finished, or fails it if none did."""
+
+    EXIT_CODE = 3
+
+
 class Interrupted(KeyboardInterrupt):
     """The launcher got SIGINT or SIGTERM and stopped every worker. A KeyboardInterrupt, so that
     no `except Exception` on the way up swallows it, and a Hydra sweep stops as on Ctrl-C."""

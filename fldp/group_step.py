@@ -36,8 +36,12 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    from .errors import NoPeerToHealFrom
+
     try:
         sys.exit(main(sys.argv[1:]))
+    except NoPeerToHealFrom:  # back too late: the supervisor decides (fldp.elastic)
+        os._exit(NoPeerToHealFrom.EXIT_CODE)
     except Exception:  # the supervisor reports the log's tail: the traceback first, before the peers' errors
         traceback.print_exc()
         sys.stderr.flush()

@@ -8,6 +8,8 @@ import time
 
 import torch.distributed as dist
 
+from .errors import NoPeerToHealFrom
+
 
 class Healing:
     """This rank's side of its group's heals: what a peer's heal copies from it, or it from a peer
@@ -23,9 +25,9 @@ class Healing:
         began = time.perf_counter()
         committed = self.state.fedavg()
         if not self.federation.healed:
-            raise RuntimeError(
+            raise NoPeerToHealFrom(
                 f"federation group {self.member.group} restarted, but no live group was left to heal "
-                "from: every other group has finished or failed"
+                "from: every other group had ended"
             )
         return self.row(committed, time.perf_counter() - began)
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from . import stopping
-from .errors import ConfigError, Interrupted, WorkerError, WriteError  # noqa: F401  (fldp.launch.WorkerError)
+from .errors import ConfigError, Interrupted, NoPeerToHealFrom, WorkerError, WriteError  # noqa: F401  (fldp.launch.WorkerError)
 
 # Ports for the rendezvous, below Linux's ephemeral range (32768+) so no outgoing socket holds one.
 _PORT_BASE, _PORT_SPAN = 12000, 20000
@@ -176,6 +176,9 @@ def _local_worker(
         )
         device = init_process_group(RankEnv(index, world, index, addr, port), device_type, timeout_s, store)
         fn(*args, device)
+    except NoPeerToHealFrom:  # an elastic group back too late: its supervisor's decision, not an error
+        stopping.run_hooks(0)
+        os._exit(NoPeerToHealFrom.EXIT_CODE)
     except BaseException as e:
         # Report before any teardown: closing this rank's connections makes its peers fail next.
         # A WriteError's message (the path, the reason) is the whole report.

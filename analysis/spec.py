@@ -1,0 +1,280 @@
+"""A study as data: experiments/<study>/study.yaml, its pre-registration. The arms (Hydra overrides),
+the phases and their seeds, the rule that sets the judging seeds, the families of comparisons the
+verdicts come from, and the reduced pipeline CI runs. Loaded and checked here, every problem at once
+(SpecError: the key, what is wrong, the fix) before anything runs. `fldp-study` (analysis.study)
+runs and reports it; docs/studies.md shows a whole spec."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+TESTS = ("judge", "explore")  # analysis.stats: a family's verdicts, or comparisons shown and not judged
+PAPER_SIDES = ("paper", "above", "below")  # the paper's own ratio, or only the claim's side of 1
+
+
+class SpecError(Exception):
+    """What is wrong with a spec: one line per problem."""
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Claim: num's metric / den's, over paired seeds; `paper`: the paper's value of the ratio of
+    the two arms' algorithms, or "above"/"below" (no value: only the side the claim is on)."""
+
+    claim: str
+    num: str
+    den: str
+    paper: str = "paper"
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    phase: str
+    test: str
+    comparisons: tuple[Comparison, ...]
+
+
+@dataclass(frozen=True)
+class Phase:
+    """`seeds`: fixed; or None: as many as `seed_rule` decides (each arm from 0)."""
+
+    name: str
+    arms: tuple[str, ...]
+    seeds: tuple[int, ...] | None
+
+
+@dataclass(frozen=True)
+class SeedRule:
+    """The judging seeds from a pilot: the least n giving every ratio of `family` a half-width of
+    at most `half_width` at the pilot's paired SDs, within [min, max]; with `budget_s`, capped so one
+    seed of every arm times n fits it, and a cap under `min` gives `fallback_arms` `fallback_seeds`
+    and the others what the budget has left (at least `fallback_seeds`)."""
+
+    phase: str
+    family: str
+    half_width: float
+    min: int
+    max: int | None = None
+    budget_s: float | None = None
+    fallback_seeds: int | None = None
+    fallback_arms: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Beside:
+    """`family`'s rows beside another study's committed primary verdicts, claim by claim, in order."""
+
+    family: str
+    study: str
+    label: str
+
+
+@dataclass(frozen=True)
+class Reduced:
+    """CI's pipeline check: more overrides, fewer seeds per phase, the judging seeds fixed."""
+
+    overrides: tuple[str, ...]
+    seeds: dict[str, tuple[int, ...]]
+    judging_seeds: int
+
+
+@dataclass(frozen=True)
+class Study:
+    name: str
+    title: str
+    directory: Path
+    train: tuple[str, ...]
+    arms: dict[str, tuple[str, ...]]
+    phases: tuple[Phase, ...]
+    families: tuple[Family, ...]
+    target: float
+    reduced: Reduced
+    seed_rule: SeedRule | None = None
+    beside: tuple[Beside, ...] = ()
+    sha256: str = field(default="", compare=False)
+
+    @property
+    def plan(self) -> Path:
+        return self.directory / "PLAN.md"
+
+    @property
+    def results(self) -> Path:
+        """The committed report."""
+        return self.directory / "results"
+
+    def phase(self, name: str) -> Phase:
+        return next(p for p in self.phases if p.name == name)
+
+
+def load(path: str | Path) -> Study:
+    """The spec at `path` (a study.yaml, or the directory holding one), checked."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "study.yaml"
+    if not path.is_file():
+        raise SpecError(f"{path}: no such spec (a study.yaml, or the directory holding one)")
+    raw = path.read_bytes()
+    try:
+        data = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise SpecError(f"{path}: not YAML ({e})") from None
+    problems: list[str] = []
+    study = _build(data if isinstance(data, dict) else {}, path.parent.resolve(), problems)
+    if not isinstance(data, dict):
+        problems.insert(0, "the spec is not a mapping of keys (name, arms, phases, families, ...)")
+    if problems:
+        raise SpecError("\n".join(f"{path}: {p}" for p in problems))
+    assert study is not None
+    return Study(**{**study.__dict__, "sha256": hashlib.sha256(raw).hexdigest()})
+
+
+KEYS = {"name", "title", "train", "arms", "phases", "families", "target", "reduced", "seed_rule", "beside"}
+
+
+def _build(d: dict, directory: Path, problems: list[str]) -> Study | None:
+    for key in sorted(set(d) - KEYS):
+        problems.append(f"unknown key '{key}' (the keys: {', '.join(sorted(KEYS))})")
+    arms = {str(k): tuple(_strings(v, f"arms.{k}", problems)) for k, v in _mapping(d, "arms", problems).items()}
+    for name, overrides in arms.items():
+        for o in overrides:
+            if "=" not in o:
+                problems.append(f"arms.{name}: '{o}' is not a Hydra override KEY=VALUE")
+    if not arms:
+        problems.append("arms: none; name each arm and its overrides, e.g. `fsdp: [algorithm=fsdp]`")
+    phases = tuple(_phase(p, i, arms, problems) for i, p in enumerate(_list(d, "phases", problems)))
+    names = [p.name for p in phases]
+    families = tuple(_family(f, i, arms, names, problems) for i, f in enumerate(_list(d, "families", problems)))
+    rule = _seed_rule(d.get("seed_rule"), arms, names, [f.name for f in families], problems)
+    if rule is None and any(p.seeds is None for p in phases):
+        problems.append("phases: a phase without seeds needs seed_rule, which decides them")
+    reduced = _reduced(d.get("reduced"), names, problems)
+    beside = tuple(_beside(b, [f.name for f in families], problems) for b in _list(d, "beside", problems, True))
+    target = d.get("target")
+    if not isinstance(target, (int, float)) or not 0 < target < 1:
+        problems.append(f"target: {target!r}; the half-width a verdict's interval should meet, e.g. 0.02 (+-2%)")
+    for key in ("name", "title"):
+        if not isinstance(d.get(key), str) or not d.get(key):
+            problems.append(f"{key}: missing; a string (name: the study's short name, as in outputs/NAME)")
+    train = tuple(_strings(d.get("train", []), "train", problems))
+    if problems:
+        return None
+    return Study(
+        d["name"], d["title"], directory, train, arms, phases, families, float(d["target"]), reduced, rule, beside
+    )
+
+
+def _mapping(d: dict, key: str, problems: list[str]) -> dict:
+    v = d.get(key, {})
+    if not isinstance(v, dict):
+        problems.append(f"{key}: a mapping, not {type(v).__name__}")
+        return {}
+    return v
+
+
+def _list(d: dict, key: str, problems: list[str], optional: bool = False) -> list:
+    v = d.get(key, [] if optional else None)
+    if not isinstance(v, list) or (not v and not optional):
+        problems.append(f"{key}: a list of at least one entry, not {v!r}")
+        return []
+    return v
+
+
+def _strings(v, key: str, problems: list[str]) -> list[str]:
+    if not isinstance(v, list) or not all(isinstance(x, (str, int, float)) for x in v):
+        problems.append(f"{key}: a list of strings, not {v!r}")
+        return []
+    return [str(x) for x in v]
+
+
+def _seeds(v, key: str, problems: list[str]) -> tuple[int, ...] | None:
+    if v is None:
+        return None
+    if not isinstance(v, list) or not v or not all(isinstance(s, int) and not isinstance(s, bool) for s in v):
+        problems.append(f"{key}: a list of integer seeds, or absent (the seed rule decides)")
+        return ()
+    return tuple(v)
+
+
+def _unknown_arms(names, arms: dict, key: str, problems: list[str]) -> None:
+    for a in names:
+        if a not in arms:
+            problems.append(f"{key}: no arm '{a}' (the arms: {', '.join(arms)}); add it under arms or fix the name")
+
+
+def _phase(p, i: int, arms: dict, problems: list[str]) -> Phase:
+    key = f"phases[{i}]"
+    if not isinstance(p, dict) or not isinstance(p.get("name"), str):
+        problems.append(f"{key}: a mapping with a name (and seeds, arms)")
+        return Phase(f"?{i}", (), ())
+    names = tuple(_strings(p.get("arms", list(arms)), f"{key}.arms", problems))
+    _unknown_arms(names, arms, f"{key}.arms", problems)
+    return Phase(p["name"], names, _seeds(p.get("seeds"), f"{key}.seeds", problems))
+
+
+def _family(f, i: int, arms: dict, phases: list[str], problems: list[str]) -> Family:
+    key = f"families[{i}]"
+    if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+        problems.append(f"{key}: a mapping with a name, a phase, a test and comparisons")
+        return Family(f"?{i}", "", "judge", ())
+    key = f"families.{f['name']}"
+    if f.get("phase") not in phases:
+        problems.append(f"{key}.phase: {f.get('phase')!r} is not a phase (the phases: {', '.join(phases)})")
+    if f.get("test", "judge") not in TESTS:
+        problems.append(f"{key}.test: {f.get('test')!r}; one of {', '.join(TESTS)}")
+    comparisons = []
+    raw = f.get("comparisons")
+    if not isinstance(raw, list) or not raw:
+        problems.append(f"{key}.comparisons: a family of zero; list at least one {{claim, num, den}}")
+        raw = []
+    for j, c in enumerate(raw):
+        if not isinstance(c, dict) or not all(isinstance(c.get(k), str) for k in ("claim", "num", "den")):
+            problems.append(f"{key}.comparisons[{j}]: a mapping with claim, num and den (arm names)")
+            continue
+        _unknown_arms([c["num"], c["den"]], arms, f"{key}.comparisons[{j}]", problems)
+        if c.get("paper", "paper") not in PAPER_SIDES:
+            problems.append(f"{key}.comparisons[{j}].paper: {c.get('paper')!r}; one of {', '.join(PAPER_SIDES)}")
+        comparisons.append(Comparison(c["claim"], c["num"], c["den"], c.get("paper", "paper")))
+    return Family(f["name"], str(f.get("phase")), f.get("test", "judge"), tuple(comparisons))
+
+
+def _seed_rule(r, arms: dict, phases: list[str], families: list[str], problems: list[str]) -> SeedRule | None:
+    if r is None:
+        return None
+    fields_ = set(SeedRule.__dataclass_fields__)
+    if not isinstance(r, dict) or set(r) - fields_:
+        problems.append(f"seed_rule: a mapping of {', '.join(sorted(fields_))}")
+        return None
+    if r.get("phase") not in phases:
+        problems.append(f"seed_rule.phase: {r.get('phase')!r} is not a phase (the phases: {', '.join(phases)})")
+    if r.get("family") not in families:
+        problems.append(f"seed_rule.family: {r.get('family')!r} is not a family ({', '.join(families)})")
+    if not isinstance(r.get("min"), int) or r["min"] < 2 or not isinstance(r.get("half_width"), (int, float)):
+        problems.append("seed_rule: min (an integer >= 2) and half_width (e.g. 0.018) are required")
+    _unknown_arms(r.get("fallback_arms", []), arms, "seed_rule.fallback_arms", problems)
+    return SeedRule(**{**r, "fallback_arms": tuple(r.get("fallback_arms", []))})
+
+
+def _reduced(r, phases: list[str], problems: list[str]) -> Reduced:
+    if not isinstance(r, dict) or not isinstance(r.get("judging_seeds"), int):
+        problems.append("reduced: a mapping with overrides, seeds (per phase) and judging_seeds (CI's pipeline check)")
+        return Reduced((), {}, 0)
+    seeds = {}
+    for phase, v in (r.get("seeds") or {}).items():
+        if phase not in phases:
+            problems.append(f"reduced.seeds.{phase}: not a phase (the phases: {', '.join(phases)})")
+        seeds[phase] = _seeds(v, f"reduced.seeds.{phase}", problems) or ()
+    return Reduced(tuple(_strings(r.get("overrides", []), "reduced.overrides", problems)), seeds, r["judging_seeds"])
+
+
+def _beside(b, families: list[str], problems: list[str]) -> Beside:
+    if not isinstance(b, dict) or not all(isinstance(b.get(k), str) for k in ("family", "study", "label")):
+        problems.append("beside: each a mapping of family, study and label")
+        return Beside("", "", "")
+    if b["family"] not in families:
+        problems.append(f"beside.family: {b['family']!r} is not a family ({', '.join(families)})")
+    return Beside(b["family"], b["study"], b["label"])

@@ -1,0 +1,113 @@
+"""fldp-study: a pre-registered study, from its spec (experiments/<study>/study.yaml, analysis.spec).
+
+    fldp-study run SPEC [OUT] [--reduced] [--until PHASE] [--allow-mixed] [--allow-changed-spec] [KEY=VALUE...]
+    fldp-study status SPEC OUT [--reduced]
+    fldp-study report SPEC OUT [--allow-mixed]
+
+run: every phase (a Hydra multirun per arm into OUT/runs/PHASE/ARM/), then the report in OUT/report/;
+again with the same OUT, finished runs are skipped. --until PHASE stops after it. --reduced: CI's
+pipeline check (the spec's `reduced`), whose numbers judge nothing. KEY=VALUE: overrides for every
+run (cluster=slurm submits them). status: what is finished and what is left, with a time estimate.
+report: the report of OUT's runs. A bad spec or argument exits 2 before anything runs."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from datetime import datetime
+from pathlib import Path
+
+from .spec import SpecError, Study, load
+from .study_run import run, stamp, status_lines
+
+# the analysis's imports (pandas, scipy, matplotlib, fldp's records) wait until the spec and the
+# arguments are checked: a refusal comes in a fraction of a second
+
+PROG = "fldp-study"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("command", choices=("run", "status", "report"))
+    p.add_argument("spec", metavar="SPEC", help="a study.yaml, or the directory holding one")
+    p.add_argument("rest", nargs="*", metavar="OUT|KEY=VALUE", help="the study's directory; overrides (run)")
+    p.add_argument("--reduced", action="store_true", help="the spec's reduced pipeline (CI)")
+    p.add_argument("--until", metavar="PHASE", help="run: stop after this phase")
+    p.add_argument("--allow-changed-spec", action="store_true", help="run: go on in an OUT run under another spec")
+    p.add_argument("--allow-mixed", action="store_true", help="pool runs of different fldp commits")
+    return p
+
+
+def shown(argv: list[str]) -> str:
+    """The command as typed, paths under the working directory relative to it (no machine's path)."""
+    cwd = os.getcwd() + os.sep
+    return f"{PROG} " + shlex.join(os.path.relpath(a) if a.startswith(cwd) else a for a in argv)
+
+
+def write_report(study: Study, out: Path, allow_mixed: bool, command: str) -> int:
+    from . import paper as paper_values
+    from .discover import collect_for
+    from .study import frame
+    from .study_report import report
+
+    runs, problems = collect_for(PROG, [str(out / "runs")], allow_mixed)
+    if not runs:
+        return 1
+    elapsed_path = out / "elapsed_s"
+    elapsed = float(elapsed_path.read_text()) if elapsed_path.exists() else None
+    path = report(frame(runs, study), study, paper_values.load(), out / "report", command, elapsed, out / "runs")
+    print(f"{PROG}: {len(runs)} runs, {len(problems)} skipped; wrote {path}")
+    return 1 if problems else 0
+
+
+def decider(study: Study):
+    """The seed rule on OUT's runs so far (None while its phase is incomplete)."""
+
+    def decide(out: Path) -> dict[str, int] | None:
+        from . import paper as paper_values
+        from .discover import collect_for
+        from .study import decided_seeds, frame
+
+        runs, _ = collect_for(PROG, [str(out / "runs")], allow_mixed=True) if (out / "runs").is_dir() else ([], [])
+        return decided_seeds(frame(runs, study), study, paper_values.load()) if runs else None
+
+    return decide
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = parser()
+    args = ap.parse_args(argv)
+    try:
+        study = load(args.spec)
+    except SpecError as e:
+        print(f"{PROG}: the spec is refused, nothing run:\n{e}", file=sys.stderr)
+        return 2
+    outs = [a for a in args.rest if "=" not in a]
+    overrides = [a for a in args.rest if "=" in a]
+    if len(outs) > 1 or (args.command != "run" and (not outs or overrides)):
+        ap.error(
+            f"{args.command}: {'one OUT and KEY=VALUE overrides' if args.command == 'run' else 'one OUT, no overrides'}"
+        )
+    if args.until is not None and args.until not in [p.name for p in study.phases]:
+        ap.error(f"--until {args.until}: not a phase of {study.name} ({', '.join(p.name for p in study.phases)})")
+    out = Path(outs[0]) if outs else Path("outputs") / study.name / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    if args.command == "status":
+        print("\n".join(status_lines(study, out, args.reduced, decider(study)(out))))
+        return 0
+    if args.command == "report":
+        return write_report(study, out, args.allow_mixed, shown(argv))
+    refused = stamp(study, out, args.allow_changed_spec)
+    if refused:
+        print(f"{PROG}: {refused}", file=sys.stderr)
+        return 2
+    status = run(study, out, args.reduced, args.until, overrides, decider(study))
+    reported = write_report(study, out, args.allow_mixed, shown(argv))
+    print(f"{study.name}: report in {out / 'report' / 'report.md'}")
+    return max(status, reported)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

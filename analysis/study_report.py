@@ -1,0 +1,150 @@
+"""A study spec's report: runs.csv, losses.csv.gz, pilot.csv (with a seed rule), findings.csv,
+figure.png and report.md, which names the spec's hash and quotes the plan."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from .paper_shape import changed, displayed, losses, plan_quote  # noqa: E402
+from .render import markdown  # noqa: E402
+from .spec import Study  # noqa: E402
+from .study import METRIC, arm, decided_seeds, findings, pilot, seconds_per_run  # noqa: E402
+from .study_run import STAMP  # noqa: E402
+
+
+def committed_primary(directory: Path) -> pd.DataFrame:
+    """Another study's committed primary verdicts (its results/findings.csv), empty without one."""
+    path = directory / "results" / "findings.csv"
+    if not path.exists():
+        return pd.DataFrame()
+    table = pd.read_csv(path)
+    for column in ("family", "setting"):
+        if column in table.columns:
+            table = table[table[column].astype(str).str.contains("primary")]
+    return table.reset_index(drop=True)
+
+
+def beside(table: pd.DataFrame, study: Study) -> list[str]:
+    """Each `beside` entry: the family's rows beside another study's committed primary verdicts,
+    and whether the direction changed (named, not tested)."""
+    parts = []
+    for b in study.beside:
+        then = committed_primary(study.directory.parent / b.study)
+        ours = table[table["family"] == b.family].reset_index(drop=True)
+        if then.empty:
+            continue
+        rows = [
+            {
+                "claim": now["claim"],
+                b.family: f"{now['ratio']:.3f} [{now['lo']:.3f}, {now['hi']:.3f}] {now['direction']}",
+                b.label: f"{old['ratio']:.3f} [{old['lo']:.3f}, {old['hi']:.3f}] {old['direction']}",
+                "changed": changed(now["direction"], old["direction"]),
+            }
+            for (_, now), (_, old) in zip(ours.iterrows(), then.iterrows())
+        ]
+        parts += [f"\n### {b.family} beside {b.label} (named, not tested)\n", markdown(pd.DataFrame(rows))]
+    return parts
+
+
+def figure(df: pd.DataFrame, table: pd.DataFrame, study: Study, out: Path) -> None:
+    """Left: each arm's metric per seed in the judged phase; right: the judged families' ratios
+    with their intervals, and the paper's values."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    phase = study.families[0].phase
+    names = list(study.arms)
+    for i, name in enumerate(names):
+        v = arm(df, name, phase)
+        left.scatter([i] * len(v), v, alpha=0.6, color=f"C{i % 10}")
+    left.set_xticks(range(len(names)), names, rotation=45, ha="right")
+    left.set(yscale="log", ylabel=f"{METRIC} (each seed, {phase})", title="arms")
+    judged = {f.name for f in study.families if f.test == "judge"}
+    shown = table[table["family"].isin(judged)].reset_index(drop=True)
+    y = range(len(shown))
+    right.errorbar(shown["ratio"], y, xerr=[shown["ratio"] - shown["lo"], shown["hi"] - shown["ratio"]], fmt="o")
+    right.scatter(shown["paper"], y, marker="x", color="C3", label="paper")
+    right.axvline(1.0, color="grey", lw=0.8)
+    right.set_yticks(list(y), [c[:40] for c in shown["claim"]])
+    right.set(xscale="log", xlabel="ratio (simultaneous interval)", title="judged families")
+    right.invert_yaxis()
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(out / "figure.png", dpi=120)
+    plt.close(fig)
+
+
+def pilot_section(df: pd.DataFrame, study: Study, paper: dict, out: Path) -> list[str]:
+    rule = study.seed_rule
+    seeds = decided_seeds(df, study, paper)
+    if rule is None or seeds is None:
+        return []
+    p = pilot(df, study, paper)
+    p.to_csv(out / "pilot.csv", index=False)
+    times = seconds_per_run(df, rule.phase).rename("train_time_s").reset_index()
+    shown = ", ".join(f"{a} {n}" for a, n in seeds.items())
+    return [
+        f"## {rule.phase.capitalize()}\n",
+        markdown(p.round({"sd_log": 4})),
+        "",
+        markdown(times.round(1)),
+        "",
+        f"Judging seeds per arm (the seed rule): {shown}.\n",
+    ]
+
+
+def verdicts(df: pd.DataFrame, study: Study, paper: dict, out: Path) -> list[str]:
+    """The verdicts section; writes findings.csv and figure.png."""
+    table = findings(df, study, paper)
+    table.to_csv(out / "findings.csv", index=False)
+    figure(df, table, study, out)
+    judged = [f"{f.name} ({len(f.comparisons)})" for f in study.families if f.test == "judge"]
+    return [
+        "## Verdicts\n",
+        f"Judged families: {', '.join(judged)}; each family's intervals are simultaneous (Bonferroni, "
+        "1 - 0.05 / m), the direction reads the interval at Holm's level (analysis.stats.judge). Families "
+        "marked explore are shown at 95%, not judged.\n",
+        markdown(
+            displayed(table, study.target)[
+                ["family", "claim", "interval", "paper", "direction", "size", "seeds", "target"]
+            ]
+        ),
+        *beside(table, study),
+        "\n![arms and ratios](figure.png)\n",
+    ]
+
+
+def spec_line(study: Study, runs_dir: Path) -> str:
+    stamp = runs_dir.parent / STAMP
+    then = json.loads(stamp.read_text())["sha256"] if stamp.exists() else None
+    line = f"The spec: `{study.name}` sha256 {study.sha256[:12]}"
+    if then and then != study.sha256:
+        line += f"; the runs were made under another version of it (sha256 {then[:12]}): read with that in mind"
+    return line + ".\n"
+
+
+def report(
+    df: pd.DataFrame, study: Study, paper: dict, out: Path, command: str, elapsed: float | None, runs_dir: Path
+) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    df.drop(columns=["step", "loss"]).sort_values(["phase", "arm", "seed"]).to_csv(out / "runs.csv", index=False)
+    losses(df, out)
+    parts = [
+        f"# {study.title}\n\n`{command}`"
+        + (f"; runs took {elapsed / 60:.1f} min" if elapsed else "")
+        + f". {len(df)} runs: one row each in runs.csv, every step's training loss in losses.csv.gz.\n",
+        spec_line(study, runs_dir),
+        *pilot_section(df, study, paper, out),
+    ]
+    if (df["phase"] == study.families[0].phase).any():
+        parts += verdicts(df, study, paper, out)
+    parts.append(plan_quote(study.plan))
+    path = out / "report.md"
+    path.write_text("\n".join(parts) + "\n")
+    return path

@@ -1,0 +1,127 @@
+"""Running a study spec: each phase a Hydra multirun per arm into OUT/runs/PHASE/ARM/, in the spec's
+order, the judging seeds decided from the runs before them. Run again with the same OUT and finished
+points are skipped (trainer.skip_finished); OUT/study.json holds the spec's hash, and a spec changed
+since is refused unless asked for (the report then says so)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .spec import Phase, Study
+
+STAMP = "study.json"
+
+
+def phase_seeds(
+    study: Study, phase: Phase, reduced: bool, decided: dict[str, int] | None
+) -> dict[str, list[int]] | None:
+    """Each arm's seeds in a phase: the spec's (the reduced pipeline's where it names the phase), or
+    0..N-1 with N the seed rule's (reduced: its fixed N); None while the rule cannot decide yet."""
+    fixed = study.reduced.seeds.get(phase.name) if reduced else None
+    if fixed or phase.seeds is not None:
+        return dict.fromkeys(phase.arms, list(fixed or phase.seeds or ()))
+    if reduced:
+        return dict.fromkeys(phase.arms, list(range(study.reduced.judging_seeds)))
+    if decided is None:
+        return None
+    return {a: list(range(decided[a])) for a in phase.arms}
+
+
+def command(study: Study, out: Path, phase: str, arm: str, seeds: list[int], overrides: list[str]) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "fldp.train",
+        "-m",
+        *study.train,
+        f"hydra.sweep.dir={out / 'runs' / phase / arm}",
+        *study.arms[arm],
+        f"seed={','.join(map(str, seeds))}",
+        *overrides,
+    ]
+
+
+def stamp(study: Study, out: Path, allow_changed: bool) -> str | None:
+    """Records the spec's hash in OUT (first run), or the refusal when OUT was run under another."""
+    path = out / STAMP
+    if path.exists():
+        then = json.loads(path.read_text())["sha256"]
+        if then != study.sha256 and not allow_changed:
+            return (
+                f"{out} was run under another version of the spec (sha256 {then[:12]}, now {study.sha256[:12]}): "
+                "a pre-registration changed after its runs. Nothing run: pass --allow-changed-spec to go on "
+                "(the report will say so), or use a new OUT"
+            )
+        return None
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"study": study.name, "sha256": study.sha256}) + "\n")
+    return None
+
+
+def elapsed(out: Path, seconds: float) -> float:
+    """The study's wall time so far, this part's added (a study run in parts: their sum)."""
+    path = out / "elapsed_s"
+    total = (float(path.read_text()) if path.exists() else 0.0) + seconds
+    path.write_text(f"{total:.0f}\n")
+    return total
+
+
+def run(study: Study, out: Path, reduced: bool, until: str | None, overrides: list[str], decide) -> int:
+    """Every phase up to `until`; `decide(out)`: the seed rule's seeds per arm from the runs so far
+    (analysis.study.decided_seeds on them), or None. 0 when every multirun succeeded."""
+    start, status = time.monotonic(), 0
+    extra = [*(study.reduced.overrides if reduced else ()), *overrides]
+    for phase in study.phases:
+        needs_rule = phase.seeds is None and not reduced
+        seeds = phase_seeds(study, phase, reduced, decide(out) if needs_rule else None)
+        if seeds is None:
+            print(f"{study.name}: {phase.name}: no seeds yet (the seed rule's phase is incomplete)", file=sys.stderr)
+            return 1
+        for arm in phase.arms:
+            print(
+                f"{study.name}: {phase.name} {arm} seed={','.join(map(str, seeds[arm]))} "
+                f"({time.monotonic() - start:.0f} s so far)",
+                flush=True,
+            )
+            status |= subprocess.run(command(study, out, phase.name, arm, seeds[arm], extra)).returncode != 0
+        if phase.name == until:
+            break
+    total = elapsed(out, time.monotonic() - start)
+    print(f"{study.name}: {total:.0f} s of runs in all")
+    return int(status)
+
+
+def finished_seeds(out: Path, phase: str, arm: str) -> dict[int, float]:
+    """The seeds of an arm's finished runs in a phase (summary.json: written last), each run's
+    training time."""
+    found = {}
+    for summary in sorted((out / "runs" / phase / arm).glob("*/summary.json")):
+        s = json.loads(summary.read_text())
+        found[int(s["seed"])] = float(s.get("train_time_s", 0.0))
+    return found
+
+
+def status_lines(study: Study, out: Path, reduced: bool, decided: dict[str, int] | None) -> list[str]:
+    """Per phase and arm: the runs finished of those the phase asks for, and a time estimate for
+    what is left from the arm's own runs so far."""
+    lines, left_s = [], 0.0
+    for phase in study.phases:
+        seeds = phase_seeds(study, phase, reduced, decided)
+        for arm in phase.arms:
+            done = finished_seeds(out, phase.name, arm)
+            if seeds is None:
+                lines.append(f"{phase.name:8} {arm:16} {len(done)} finished; seeds not decided yet")
+                continue
+            missing = [s for s in seeds[arm] if s not in done]
+            per_run = sum(done.values()) / len(done) if done else None
+            left_s += per_run * len(missing) if per_run else 0.0
+            lines.append(
+                f"{phase.name:8} {arm:16} {len(seeds[arm]) - len(missing)}/{len(seeds[arm])} finished"
+                + (f", ~{per_run * len(missing) / 60:.0f} min left" if missing and per_run else "")
+            )
+    lines.append(f"left: ~{left_s / 60:.0f} min of training at the finished runs' times (startup not counted)")
+    return lines

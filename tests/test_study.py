@@ -1,0 +1,150 @@
+"""Study specs (analysis.spec) and what fldp-study decides and finds from them: the committed
+precision study's verdicts and pilot again from its per-run numbers, the seed rule and its budget,
+and bad specs refused before anything runs. A spec's pipeline end to end is CI's reduced run
+(`fldp-study run experiments/precision --reduced`, .ci/run)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+
+from analysis import paper
+from analysis.paper_shape import changed
+from analysis.spec import SeedRule, SpecError, load
+from analysis.study import findings, judging_seeds, pilot
+
+ROOT = Path(__file__).resolve().parents[1]
+PRECISION = ROOT / "experiments" / "precision"
+FLDP_STUDY = str(Path(sys.executable).parent / "fldp-study")  # the installed command (README's setup)
+
+
+def committed_precision_runs() -> pd.DataFrame:
+    """results/runs.csv of the precision study, made before specs: its arm from its columns."""
+    df = pd.read_csv(PRECISION / "results" / "runs.csv")
+    df["arm"] = df["algorithm"] + np.where(df["reductions"] == "fp32r", "-fp32r", "")
+    return df
+
+
+def assert_same_table(new: pd.DataFrame, old: pd.DataFrame) -> None:
+    assert list(new.columns) == list(old.columns)
+    for column in old.columns:
+        if old[column].dtype.kind == "f":
+            np.testing.assert_allclose(new[column].to_numpy(float), old[column].to_numpy(float), rtol=0, atol=1e-9)
+        else:
+            assert new[column].astype(str).tolist() == old[column].astype(str).tolist(), column
+
+
+def test_the_precision_spec_finds_the_committed_verdicts_and_pilot_from_the_committed_runs():
+    study, df, values = load(PRECISION), committed_precision_runs(), paper.load()
+    assert_same_table(findings(df, study, values), pd.read_csv(PRECISION / "results" / "findings.csv"))
+    assert_same_table(pilot(df, study, values), pd.read_csv(PRECISION / "results" / "pilot.csv"))
+
+
+RULE = SeedRule("pilot", "primary", 0.018, 5, budget_s=7200, fallback_seeds=3, fallback_arms=("a-fp32r", "b-fp32r"))
+
+
+def times(bf16_s: float, fp32r_s: float) -> pd.Series:
+    """Each arm's training time per run: two bf16 arms and two fp32r arms, each counted twice (the
+    precision study's 8 arms at two times)."""
+    return pd.Series({"a": 2 * bf16_s, "b": 2 * bf16_s, "a-fp32r": 2 * fp32r_s, "b-fp32r": 2 * fp32r_s})
+
+
+def test_the_seeds_are_the_rules_at_least_the_minimum_and_within_the_budget():
+    assert set(judging_seeds(RULE, pd.Series([4, 9, 7, 2]), times(60, 60)).values()) == {9}  # 480 s a seed: 15 fit
+    assert set(judging_seeds(RULE, pd.Series([2, 3]), times(60, 60)).values()) == {5}  # at least 5
+    assert set(judging_seeds(RULE, pd.Series([40]), times(60, 60)).values()) == {15}  # the cap binds
+    assert set(
+        judging_seeds(SeedRule("pilot", "primary", 0.018, 5, max=7), pd.Series([40]), times(60, 60)).values()
+    ) == {7}
+
+
+def test_a_cap_under_the_minimum_gives_the_fallback_arms_their_seeds_and_the_others_the_rest():
+    # one seed of all arms: 4 x 300 + 4 x 200 s = 2000 s, so 3 fit; the fallback arms' 3 seeds take
+    # 2400 s, and the 4800 s left give the others (1200 s a seed) 4
+    assert judging_seeds(RULE, pd.Series([30]), times(300, 200)) == {"a": 4, "b": 4, "a-fp32r": 3, "b-fp32r": 3}
+    assert set(judging_seeds(RULE, pd.Series([30]), times(900, 900)).values()) == {3}  # never under 3
+
+
+def test_a_verdict_changes_only_where_the_new_study_decides():
+    assert changed("reproduced", "opposite") == "yes"
+    assert changed("opposite", "opposite") == "no"
+    assert changed("inconclusive", "opposite").startswith("undecided")
+
+
+def spec_with(tmp_path: Path, change) -> Path:
+    """The precision spec, changed by `change(dict)`, in a directory of its own."""
+    data = yaml.safe_load((PRECISION / "study.yaml").read_text())
+    change(data)
+    path = tmp_path / "study" / "study.yaml"
+    path.parent.mkdir()
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def comparisons_of(data: dict, i: int) -> list:
+    return data["families"][i]["comparisons"]
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (lambda d: d.update(arm={}), "unknown key 'arm'"),
+        (lambda d: comparisons_of(d, 0)[0].update(den="fl_hsdp-fp16"), "no arm 'fl_hsdp-fp16'"),
+        (lambda d: d["families"][1].update(comparisons=[]), "a family of zero"),
+        (lambda d: d["families"][0].update(phase="judging"), "'judging' is not a phase"),
+        (lambda d: d["arms"].update(fsdp=["algorithm"]), "not a Hydra override KEY=VALUE"),
+        (lambda d: d["phases"][0].update(seeds=[200, "b"]), "phases[0].seeds: a list of integer seeds"),
+        (lambda d: d.pop("seed_rule"), "a phase without seeds needs seed_rule"),
+    ],
+)
+def test_a_bad_spec_is_refused_naming_the_key_and_the_fix(tmp_path, change, words):
+    with pytest.raises(SpecError) as e:
+        load(spec_with(tmp_path, change))
+    assert words in str(e.value)
+
+
+def test_fldp_study_exits_2_on_a_bad_spec_before_anything_runs(tmp_path):
+    spec = spec_with(tmp_path, lambda d: comparisons_of(d, 0)[0].update(den="fl_hsdp-fp16"))
+    out = tmp_path / "out"
+    proc = subprocess.run([FLDP_STUDY, "run", str(spec), str(out), "--reduced"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "no arm 'fl_hsdp-fp16' (the arms: " in proc.stderr, proc.stderr
+    assert "add it under arms or fix the name" in proc.stderr and not out.exists()
+
+
+def test_every_problem_of_a_spec_is_named_at_once(tmp_path):
+    def two(d):
+        d.pop("target")
+        comparisons_of(d, 2)[1].update(num="nope")
+
+    with pytest.raises(SpecError) as e:
+        load(spec_with(tmp_path, two))
+    assert "target" in str(e.value) and "no arm 'nope'" in str(e.value)
+
+
+def test_a_study_run_under_another_spec_is_refused_unless_asked(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "study.json").write_text('{"study": "precision", "sha256": "0123456789ab"}\n')
+    proc = subprocess.run([FLDP_STUDY, "run", str(PRECISION), str(out), "--reduced"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "--allow-changed-spec" in proc.stderr, proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["study.json"]
+
+
+def test_until_names_a_phase_of_the_spec(tmp_path):
+    proc = subprocess.run(
+        [FLDP_STUDY, "run", str(PRECISION), str(tmp_path / "out"), "--until", "tune"], capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and "--until tune: not a phase of precision (pilot, judge)" in proc.stderr
+
+
+def test_the_example_spec_in_the_docs_is_a_valid_spec(tmp_path):
+    text = (ROOT / "docs" / "studies.md").read_text()
+    section = text[text.index("## Writing a study") :]
+    example = section[section.index("```yaml\n") + 8 : section.index("```", section.index("```yaml\n") + 8)]
+    (tmp_path / "study.yaml").write_text(example)
+    study = load(tmp_path)
+    assert [p.name for p in study.phases] == ["pilot", "judge"] and len(study.families[0].comparisons) == 1
