@@ -1,8 +1,8 @@
 """What a study spec (analysis.spec) decides and finds from its runs: one row per run, the judging
 seeds its rule asks for, and its families' verdicts (analysis.stats.judge or explore).
 
-A study's runs live in OUT/runs/PHASE/ARM/<the point's overrides>/ (analysis.study_run makes them):
-the directory says which phase and arm made a run, whatever its overrides. Every ratio pairs the two
+A study's runs live in OUT/runs/PHASE/<the point's overrides>/ (analysis.study_run makes them): the
+directory says which phase made a run, and its overrides which arm (the arm's own, most specific). Every ratio pairs the two
 arms' runs seed by seed on the final eval perplexity, worse-in-the-paper on top."""
 
 from __future__ import annotations
@@ -21,15 +21,38 @@ METRIC = "eval_perplexity"
 NO_PAPER = "n/a (no paper value)"
 
 
+def overrides_of(point: str) -> set[str]:
+    """The overrides a sweep point's directory name holds (fldp.sweep.point_dirname: sorted, joined
+    by commas, `/`, `#` and `%` escaped); commas inside brackets or braces belong to a value."""
+    name = point.replace("%2F", "/").replace("%23", "#").replace("%25", "%")
+    found, depth, start = set(), 0, 0
+    for i, ch in enumerate(name):
+        if ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            found.add(name[start:i])
+            start = i + 1
+    return found | {name[start:]}
+
+
+def arm_of(overrides: set[str], study: Study) -> str:
+    """The arm whose overrides the run has, the most specific where several match ("?": none)."""
+    matching = [a for a, own in study.arms.items() if set(own) <= overrides]
+    return max(matching, key=lambda a: len(study.arms[a]), default="?")
+
+
 def place(name: str, study: Study) -> tuple[str, str, str]:
-    """(phase, arm, run id) of a run directory: the last PHASE/ARM pair in its path, and the path
-    from the phase on (unique in a study, no machine's path in a committed file)."""
+    """(phase, arm, run id) of a run directory OUT/runs/PHASE/<the point's overrides>: the last
+    phase in its path, the arm its overrides name, and the path from the phase on (unique in a
+    study, no machine's path in a committed file)."""
     parts = Path(name).parts
     phases = {p.name for p in study.phases}
-    at = max((i for i in range(len(parts) - 1) if parts[i] in phases and parts[i + 1] in study.arms), default=None)
+    at = max((i for i in range(len(parts) - 1) if parts[i] in phases), default=None)
     if at is None:
         return "?", "?", parts[-1]
-    return parts[at], parts[at + 1], "/".join(parts[at:])
+    return parts[at], arm_of(overrides_of(parts[-1]), study), "/".join(parts[at:])
 
 
 def frame(runs, study: Study) -> pd.DataFrame:

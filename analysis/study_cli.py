@@ -4,7 +4,7 @@
     fldp-study status SPEC OUT [--reduced]
     fldp-study report SPEC OUT [--allow-mixed]
 
-run: every phase (a Hydra multirun per arm into OUT/runs/PHASE/ARM/), then the report in OUT/report/;
+run: every phase (Hydra multiruns of its arms into OUT/runs/PHASE/), then the report in OUT/report/;
 again with the same OUT, finished runs are skipped. --until PHASE stops after it. --reduced: CI's
 pipeline check (the spec's `reduced`), whose numbers judge nothing. KEY=VALUE: overrides for every
 run (cluster=slurm submits them). status: what is finished and what is left, with a time estimate.

@@ -1,4 +1,4 @@
-"""Running a study spec: each phase a Hydra multirun per arm into OUT/runs/PHASE/ARM/, in the spec's
+"""Running a study spec: each phase Hydra multiruns of its arms into OUT/runs/PHASE/, in the spec's
 order, the judging seeds decided from the runs before them. Run again with the same OUT and finished
 points are skipped (trainer.skip_finished); OUT/study.json holds the spec's hash, and a spec changed
 since is refused unless asked for (the report then says so)."""
@@ -31,17 +31,32 @@ def phase_seeds(
     return {a: list(range(decided[a])) for a in phase.arms}
 
 
-def command(study: Study, out: Path, phase: str, arm: str, seeds: list[int], overrides: list[str]) -> list[str]:
+def batches(study: Study, phase: Phase, seeds: dict[str, list[int]]) -> list[tuple[list[str], list[int]]]:
+    """The phase's arms as few multiruns as Hydra's sweep syntax allows: arms with the same seeds
+    and the same overrides but `algorithm=` in one, `algorithm=a,b,...` (a Python start each costs
+    seconds). Each (overrides, seeds), in the spec's order."""
+    grouped: dict[tuple, list[str]] = {}
+    for arm in phase.arms:
+        rest = tuple(o for o in study.arms[arm] if not o.startswith("algorithm="))
+        algorithms = grouped.setdefault((rest, tuple(seeds[arm])), [])
+        algorithms += [o.split("=", 1)[1] for o in study.arms[arm] if o.startswith("algorithm=")]
+    return [
+        ([*([f"algorithm={','.join(algorithms)}"] if algorithms else []), *rest], list(arm_seeds))
+        for (rest, arm_seeds), algorithms in grouped.items()
+    ]
+
+
+def command(study: Study, out: Path, phase: str, overrides: list[str], seeds: list[int], extra: list[str]) -> list[str]:
     return [
         sys.executable,
         "-m",
         "fldp.train",
         "-m",
         *study.train,
-        f"hydra.sweep.dir={out / 'runs' / phase / arm}",
-        *study.arms[arm],
-        f"seed={','.join(map(str, seeds))}",
+        f"hydra.sweep.dir={out / 'runs' / phase}",
         *overrides,
+        f"seed={','.join(map(str, seeds))}",
+        *extra,
     ]
 
 
@@ -81,13 +96,14 @@ def run(study: Study, out: Path, reduced: bool, until: str | None, overrides: li
         if seeds is None:
             print(f"{study.name}: {phase.name}: no seeds yet (the seed rule's phase is incomplete)", file=sys.stderr)
             return 1
-        for arm in phase.arms:
+        for overrides, batch_seeds in batches(study, phase, seeds):
+            shown = " ".join(overrides)
             print(
-                f"{study.name}: {phase.name} {arm} seed={','.join(map(str, seeds[arm]))} "
+                f"{study.name}: {phase.name} {shown} seed={','.join(map(str, batch_seeds))} "
                 f"({time.monotonic() - start:.0f} s so far)",
                 flush=True,
             )
-            status |= subprocess.run(command(study, out, phase.name, arm, seeds[arm], extra)).returncode != 0
+            status |= subprocess.run(command(study, out, phase.name, overrides, batch_seeds, extra)).returncode != 0
         if phase.name == until:
             break
     total = elapsed(out, time.monotonic() - start)
@@ -95,13 +111,16 @@ def run(study: Study, out: Path, reduced: bool, until: str | None, overrides: li
     return int(status)
 
 
-def finished_seeds(out: Path, phase: str, arm: str) -> dict[int, float]:
-    """The seeds of an arm's finished runs in a phase (summary.json: written last), each run's
+def finished_seeds(out: Path, phase: str, study: Study) -> dict[str, dict[int, float]]:
+    """Per arm, the seeds of its finished runs in a phase (summary.json: written last), each run's
     training time."""
-    found = {}
-    for summary in sorted((out / "runs" / phase / arm).glob("*/summary.json")):
+    from .study import arm_of, overrides_of
+
+    found: dict[str, dict[int, float]] = {}
+    for summary in sorted((out / "runs" / phase).glob("*/summary.json")):
         s = json.loads(summary.read_text())
-        found[int(s["seed"])] = float(s.get("train_time_s", 0.0))
+        arm = arm_of(overrides_of(summary.parent.name), study)
+        found.setdefault(arm, {})[int(s["seed"])] = float(s.get("train_time_s", 0.0))
     return found
 
 
@@ -111,8 +130,9 @@ def status_lines(study: Study, out: Path, reduced: bool, decided: dict[str, int]
     lines, left_s = [], 0.0
     for phase in study.phases:
         seeds = phase_seeds(study, phase, reduced, decided)
+        finished = finished_seeds(out, phase.name, study)
         for arm in phase.arms:
-            done = finished_seeds(out, phase.name, arm)
+            done = finished.get(arm, {})
             if seeds is None:
                 lines.append(f"{phase.name:8} {arm:16} {len(done)} finished; seeds not decided yet")
                 continue

@@ -12,8 +12,8 @@
 # Run again with the same OUT, it skips the points that finished (trainer.skip_finished) and runs the
 # rest (the report's time is the sum over the invocations, kept in OUT/elapsed_s); add
 # trainer.resume=auto to continue a point that was killed midway.
-# Full: 5 seeds (frontier 2), 126 runs of 32 steps. --reduced (CI, 20 runs): 16 steps (2 aggregations
-# at A = 8; the controls scaled alike), seed 0 only, A = 16 only in the frontier, lr 3e-2 only beside
+# Full: 5 seeds (frontier 2), 126 runs of 32 steps. --reduced (CI, 20 runs): 8 steps (1 aggregation
+# at A = 8; the controls scaled alike), seed 0 only, A = 4 only in the frontier, lr 3e-2 only beside
 # the shared 1e-2: it checks the pipeline, its numbers judge nothing. Needs root and iproute2 for netns_4x2 (as tiny_repro.sh).
 set -uo pipefail
 OUT=
@@ -36,7 +36,7 @@ esac
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/science/$(date +%Y-%m-%d_%H-%M-%S)}
 if [ "$REDUCED" = 1 ]; then
-    SEEDS=0; FEW=0; FRONTIER_SEEDS=0; EVERY=16; LRS=3e-2; STEPS=16; STEPS_ARG=(trainer.steps=$STEPS)
+    SEEDS=0; FEW=0; FRONTIER_SEEDS=0; EVERY=4; LRS=3e-2; STEPS=8; STEPS_ARG=(trainer.steps=$STEPS)
 else
     SEEDS=0,1,2,3,4; FEW=$SEEDS; FRONTIER_SEEDS=0,1; EVERY=1,2,4,16; LRS=3e-3,3e-2; STEPS=32; STEPS_ARG=()
 fi

@@ -66,20 +66,18 @@ def test_every_algorithm_runs_from_the_command_line(tmp_path, algorithm):
     )
 
 
-def test_done_when_aggregation_only_every_a_steps(tmp_path):
-    out = cli(
-        "algorithm=fl_hsdp",
-        "topology=local_8",
-        "trainer.steps=16",
-        "algorithm.every=4",
-        *FAST,
-        f"hydra.run.dir={tmp_path}",
-        cwd=tmp_path,
-    )
+def test_default_command_with_no_arguments(tmp_path):
+    """Exactly `python -m fldp.train`: FL+HSDP on 8 local workers, records and an offline W&B run;
+    aggregation only every A (8) steps, and each step's phase times consistent."""
+    out = cli(cwd=tmp_path, env={"WANDB_MODE": "offline"})
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = read_rows(tmp_path)
-    assert [r["step"] for r in rows if r["time_aggregation"] > 0] == [4, 8, 12, 16]
-    assert [r["step"] for r in rows if r["aggregated"]] == [4, 8, 12, 16]
+    (run_dir,) = [p.parent for p in tmp_path.glob("outputs/*/*/summary.json")]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["algorithm"] == "fl_hsdp" and summary["world_size"] == 8
+    rows = read_rows(run_dir)
+    assert len(rows) == summary["steps"] == 24
+    assert [r["step"] for r in rows if r["time_aggregation"] > 0] == [8, 16, 24]
+    assert [r["step"] for r in rows if r["aggregated"]] == [8, 16, 24]
     assert all(set(STEP_FIELDS) <= r.keys() for r in rows)
     # each time is the slowest rank's, so no phase exceeds the step
     assert all(r["time_step"] >= max(r[f] for f in TIME_FIELDS) for r in rows)
@@ -87,16 +85,6 @@ def test_done_when_aggregation_only_every_a_steps(tmp_path):
     for r in rows:
         assert sum(r[f] for f in CRITICAL_FIELDS) == pytest.approx(r["time_step"], rel=1e-9, abs=1e-9)
         assert all(r[f"critical_{p}"] <= r[f"time_{p}"] for p in PHASES)
-
-
-def test_default_command_with_no_arguments(tmp_path):
-    """Exactly `python -m fldp.train`: FL+HSDP on 8 local workers, records and an offline W&B run."""
-    out = cli(cwd=tmp_path, env={"WANDB_MODE": "offline"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    (run_dir,) = [p.parent for p in tmp_path.glob("outputs/*/*/summary.json")]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["algorithm"] == "fl_hsdp" and summary["world_size"] == 8
-    assert len(read_rows(run_dir)) == summary["steps"] == 24
     (offline,) = run_dir.glob("wandb/offline-run-*")
     assert f"upload it with: wandb sync {offline}" in out.stdout + out.stderr, (out.stdout + out.stderr)[-2000:]
 

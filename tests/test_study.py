@@ -15,17 +15,17 @@ import yaml
 from analysis import paper
 from analysis.paper_shape import changed
 from analysis.spec import SeedRule, SpecError, load
-from analysis.study import findings, judging_seeds, pilot
+from analysis.study import arm_of, findings, judging_seeds, overrides_of, pilot
 
 ROOT = Path(__file__).resolve().parents[1]
 PRECISION = ROOT / "experiments" / "precision"
 FLDP_STUDY = str(Path(sys.executable).parent / "fldp-study")  # the installed command (README's setup)
 
 
-def committed_precision_runs() -> pd.DataFrame:
-    """results/runs.csv of the precision study, made before specs: its arm from its columns."""
+def committed_precision_runs(study) -> pd.DataFrame:
+    """results/runs.csv of the precision study, each run's arm from its run id's overrides."""
     df = pd.read_csv(PRECISION / "results" / "runs.csv")
-    df["arm"] = df["algorithm"] + np.where(df["reductions"] == "fp32r", "-fp32r", "")
+    df["arm"] = [arm_of(overrides_of(run.split("/")[-1]), study) for run in df["run"]]
     return df
 
 
@@ -39,7 +39,10 @@ def assert_same_table(new: pd.DataFrame, old: pd.DataFrame) -> None:
 
 
 def test_the_precision_spec_finds_the_committed_verdicts_and_pilot_from_the_committed_runs():
-    study, df, values = load(PRECISION), committed_precision_runs(), paper.load()
+    study, values = load(PRECISION), paper.load()
+    df = committed_precision_runs(study)
+    # the arms the spec names are the columns the study's own module read (algorithm, reductions)
+    assert (df["arm"] == df["algorithm"] + np.where(df["reductions"] == "fp32r", "-fp32r", "")).all()
     assert_same_table(findings(df, study, values), pd.read_csv(PRECISION / "results" / "findings.csv"))
     assert_same_table(pilot(df, study, values), pd.read_csv(PRECISION / "results" / "pilot.csv"))
 
@@ -148,3 +151,17 @@ def test_the_example_spec_in_the_docs_is_a_valid_spec(tmp_path):
     (tmp_path / "study.yaml").write_text(example)
     study = load(tmp_path)
     assert [p.name for p in study.phases] == ["pilot", "judge"] and len(study.families[0].comparisons) == 1
+
+
+def test_a_run_directorys_overrides_name_its_arm_the_most_specific_one():
+    study = load(PRECISION)
+    point = "+experiment=precision,algorithm.outer.reduce_dtype=fp32,algorithm=fl_hsdp,fsdp.reduce_dtype=fp32,seed=3"
+    assert arm_of(overrides_of(point), study) == "fl_hsdp-fp32r"
+    assert arm_of(overrides_of("+experiment=precision,algorithm=fl_hsdp,seed=3"), study) == "fl_hsdp"
+    listed = "algorithm=hsdp,seed=0,topology.network=[{tier:node,ranks:4},{tier:x,ranks:8}]"
+    assert overrides_of(listed) == {
+        "algorithm=hsdp",
+        "seed=0",
+        "topology.network=[{tier:node,ranks:4},{tier:x,ranks:8}]",
+    }
+    assert arm_of(overrides_of("algorithm=diloco,seed=0"), study) == "?"
