@@ -133,9 +133,11 @@ def test_a_group_that_dies_before_answering_the_roll_call_is_not_waited_for(tmp_
     cfg = compose_cfg("algorithm=fl_fsdp", "topology=local_4", *SHORT, "trainer.steps=24", "cluster.join_timeout_s=60")
     weights = run_elastic(cfg, tmp_path, "group=1,at=start", monkeypatch)
     assert "had not started after cluster.join_timeout_s" not in capfd.readouterr().err
-    heals = [r for r in records(tmp_path, 1) if r.get("split") == "heal"]
     # whether the restart is back before group 0 has trained its 24 steps alone is the machine's
-    # speed, not this test's question: either it heals, or it ends early and the run is group 0's
+    # speed, not this test's question: either it heals, or it ends early (having written no record:
+    # CI met that once) and the run is group 0's
+    rows = records(tmp_path, 1) if (tmp_path / "group_1" / "metrics.jsonl").exists() else []
+    heals = [r for r in rows if r.get("split") == "heal"]
     if heals:
         assert heals[0]["restart"] == 1 and heals[0]["healed_from"] == [0, 0]
         assert identical(weights[0], weights[1])
