@@ -121,12 +121,15 @@ def banked(df: pd.DataFrame, results: Path, allow_mixed: bool) -> pd.DataFrame:
     RESULTS/losses.csv.gz: a report made again after new phases ran, from the per-run numbers an
     earlier report committed. Rows of other commits than df's are refused (exit 2) unless allow_mixed."""
     earlier = pd.read_csv(results / "runs.csv")
+    if df.empty:  # every row from the earlier report (a report made again from its numbers)
+        df = pd.DataFrame(columns=[*earlier.columns, "step", "loss"])
     earlier = earlier[~earlier["phase"].isin(set(df["phase"]))]
     curves = pd.read_csv(results / LOSSES).groupby("run")
     missing = sorted(set(earlier["run"]) - set(curves.groups))
     if missing:
         raise SystemExit(f"--banked {results}: no training losses for {len(missing)} runs, e.g. {missing[0]}")
-    commits = set(earlier["commit"].astype(str)) - set(df["commit"].astype(str))
+    ours = set(df["commit"].astype(str)) or set(earlier["commit"].astype(str)[:1])  # none: the earlier's first
+    commits = set(earlier["commit"].astype(str)) - ours
     if commits and not allow_mixed:
         print(
             f"--banked {results}: its runs come from other commits ({', '.join(sorted(commits))}). "
@@ -138,13 +141,14 @@ def banked(df: pd.DataFrame, results: Path, allow_mixed: bool) -> pd.DataFrame:
         step=[list(curves.get_group(r)["step"]) for r in earlier["run"]],
         loss=[list(curves.get_group(r)["loss"]) for r in earlier["run"]],
     )
-    return pd.concat([df, earlier[[c for c in df.columns if c in earlier.columns]]], ignore_index=True)
+    earlier = earlier[[c for c in df.columns if c in earlier.columns]]
+    return earlier.reset_index(drop=True) if df.empty else pd.concat([df, earlier], ignore_index=True)
 
 
-def committed(name: str, phase: str | None = None) -> pd.DataFrame:
+def committed(name: str, phase: str | None = None, results: Path = RESULTS) -> pd.DataFrame:
     """The committed report's RESULTS/NAME (runs.csv: only `phase`'s rows; findings.csv: only the
     primary family, in CLAIMS' order), empty where this checkout has none (an installed analysis)."""
-    path = RESULTS / name
+    path = results / name
     if not path.exists():
         return pd.DataFrame()
     table = pd.read_csv(path)
@@ -158,11 +162,11 @@ def committed(name: str, phase: str | None = None) -> pd.DataFrame:
 SAME_RUN = ["algorithm", "seed", "steps", "F", "R", "S"]  # a rerun of a run: the same arm, seed, length and mesh
 
 
-def beside_committed(runs: pd.DataFrame, column: str) -> pd.DataFrame:
-    """Each of `runs` beside the committed judging run it reruns (SAME_RUN): its `column`, the
-    committed one (`column`_committed), both commits and the relative difference; empty where
-    none is committed."""
-    then = committed("runs.csv", "judge")
+def beside_committed(runs: pd.DataFrame, column: str, results: Path = RESULTS) -> pd.DataFrame:
+    """Each of `runs` beside the committed judging run it reruns (SAME_RUN; in RESULTS/runs.csv):
+    its `column`, the committed one (`column`_committed), both commits and the relative
+    difference; empty where none is committed."""
+    then = committed("runs.csv", "judge", results)
     if then.empty or runs.empty:
         return pd.DataFrame()
     keep = [*SAME_RUN, column, "commit"]

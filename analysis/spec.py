@@ -33,19 +33,26 @@ class Comparison:
 
 @dataclass(frozen=True)
 class Family:
+    """`note`: what the report says above the family's table (e.g. why it is explored only)."""
+
     name: str
     phase: str
     test: str
     comparisons: tuple[Comparison, ...]
+    note: str = ""
 
 
 @dataclass(frozen=True)
 class Phase:
-    """`seeds`: fixed; or None: as many as `seed_rule` decides (each arm from 0)."""
+    """`seeds`: fixed; or None: as many as `seed_rule` decides (each arm from 0). `overrides`: for
+    this phase's runs only. `run: false`: a phase whose runs are kept and reported but never made
+    again (an amended plan's earlier runs)."""
 
     name: str
     arms: tuple[str, ...]
     seeds: tuple[int, ...] | None
+    overrides: tuple[str, ...] = ()
+    run: bool = True
 
 
 @dataclass(frozen=True)
@@ -67,16 +74,29 @@ class SeedRule:
 
 @dataclass(frozen=True)
 class Beside:
-    """`family`'s rows beside another study's committed primary verdicts, claim by claim, in order."""
+    """`family`'s rows beside another study's committed primary verdicts, claim by claim: in order,
+    or `rows[i]` the other study's row beside the family's i-th comparison."""
 
     family: str
     study: str
     label: str
+    rows: tuple[int, ...] = ()
+
+
+# named pieces of a report a spec can ask for (analysis.pieces), each with the arguments it takes
+PIECES = {"noise_scale": (), "reruns": ("phase", "of")}
+
+
+@dataclass(frozen=True)
+class Piece:
+    name: str
+    args: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class Reduced:
-    """CI's pipeline check: more overrides, fewer seeds per phase, the judging seeds fixed."""
+    """CI's pipeline check: more overrides, fewer seeds: a phase's from `seeds` where it names the
+    phase, else 0..judging_seeds-1."""
 
     overrides: tuple[str, ...]
     seeds: dict[str, tuple[int, ...]]
@@ -96,6 +116,7 @@ class Study:
     reduced: Reduced
     seed_rule: SeedRule | None = None
     beside: tuple[Beside, ...] = ()
+    pieces: tuple[Piece, ...] = ()
     sha256: str = field(default="", compare=False)
 
     @property
@@ -133,7 +154,7 @@ def load(path: str | Path) -> Study:
     return Study(**{**study.__dict__, "sha256": hashlib.sha256(raw).hexdigest()})
 
 
-KEYS = {"name", "title", "train", "arms", "phases", "families", "target", "reduced", "seed_rule", "beside"}
+KEYS = {"name", "title", "train", "arms", "phases", "families", "target", "reduced", "seed_rule", "beside", "pieces"}
 
 
 def _build(d: dict, directory: Path, problems: list[str]) -> Study | None:
@@ -153,7 +174,8 @@ def _build(d: dict, directory: Path, problems: list[str]) -> Study | None:
     if rule is None and any(p.seeds is None for p in phases):
         problems.append("phases: a phase without seeds needs seed_rule, which decides them")
     reduced = _reduced(d.get("reduced"), names, problems)
-    beside = tuple(_beside(b, [f.name for f in families], problems) for b in _list(d, "beside", problems, True))
+    beside = tuple(_beside(b, families, problems) for b in _list(d, "beside", problems, True))
+    pieces = tuple(_piece(p, names, problems) for p in _list(d, "pieces", problems, True))
     target = d.get("target")
     if not isinstance(target, (int, float)) or not 0 < target < 1:
         problems.append(f"target: {target!r}; the half-width a verdict's interval should meet, e.g. 0.02 (+-2%)")
@@ -164,7 +186,18 @@ def _build(d: dict, directory: Path, problems: list[str]) -> Study | None:
     if problems:
         return None
     return Study(
-        d["name"], d["title"], directory, train, arms, phases, families, float(d["target"]), reduced, rule, beside
+        d["name"],
+        d["title"],
+        directory,
+        train,
+        arms,
+        phases,
+        families,
+        float(d["target"]),
+        reduced,
+        rule,
+        beside,
+        pieces,
     )
 
 
@@ -211,9 +244,15 @@ def _phase(p, i: int, arms: dict, problems: list[str]) -> Phase:
     if not isinstance(p, dict) or not isinstance(p.get("name"), str):
         problems.append(f"{key}: a mapping with a name (and seeds, arms)")
         return Phase(f"?{i}", (), ())
+    key = f"phases.{p['name']}"
+    for extra in sorted(set(p) - {"name", "arms", "seeds", "overrides", "run"}):
+        problems.append(f"{key}: unknown key '{extra}' (a phase's keys: name, arms, seeds, overrides, run)")
     names = tuple(_strings(p.get("arms", list(arms)), f"{key}.arms", problems))
     _unknown_arms(names, arms, f"{key}.arms", problems)
-    return Phase(p["name"], names, _seeds(p.get("seeds"), f"{key}.seeds", problems))
+    if not isinstance(p.get("run", True), bool):
+        problems.append(f"{key}.run: true or false (false: its runs are kept, never made again)")
+    overrides = tuple(_strings(p.get("overrides", []), f"{key}.overrides", problems))
+    return Phase(p["name"], names, _seeds(p.get("seeds"), f"{key}.seeds", problems), overrides, p.get("run", True))
 
 
 def _family(f, i: int, arms: dict, phases: list[str], problems: list[str]) -> Family:
@@ -239,7 +278,7 @@ def _family(f, i: int, arms: dict, phases: list[str], problems: list[str]) -> Fa
         if c.get("paper", "paper") not in PAPER_SIDES:
             problems.append(f"{key}.comparisons[{j}].paper: {c.get('paper')!r}; one of {', '.join(PAPER_SIDES)}")
         comparisons.append(Comparison(c["claim"], c["num"], c["den"], c.get("paper", "paper")))
-    return Family(f["name"], str(f.get("phase")), f.get("test", "judge"), tuple(comparisons))
+    return Family(f["name"], str(f.get("phase")), f.get("test", "judge"), tuple(comparisons), str(f.get("note", "")))
 
 
 def _seed_rule(r, arms: dict, phases: list[str], families: list[str], problems: list[str]) -> SeedRule | None:
@@ -271,10 +310,35 @@ def _reduced(r, phases: list[str], problems: list[str]) -> Reduced:
     return Reduced(tuple(_strings(r.get("overrides", []), "reduced.overrides", problems)), seeds, r["judging_seeds"])
 
 
-def _beside(b, families: list[str], problems: list[str]) -> Beside:
+def _beside(b, families: tuple[Family, ...], problems: list[str]) -> Beside:
     if not isinstance(b, dict) or not all(isinstance(b.get(k), str) for k in ("family", "study", "label")):
-        problems.append("beside: each a mapping of family, study and label")
+        problems.append("beside: each a mapping of family, study and label (and rows)")
         return Beside("", "", "")
-    if b["family"] not in families:
-        problems.append(f"beside.family: {b['family']!r} is not a family ({', '.join(families)})")
-    return Beside(b["family"], b["study"], b["label"])
+    family = next((f for f in families if f.name == b["family"]), None)
+    if family is None:
+        problems.append(f"beside.family: {b['family']!r} is not a family ({', '.join(f.name for f in families)})")
+    rows = b.get("rows", [])
+    if not isinstance(rows, list) or not all(isinstance(r, int) and r >= 0 for r in rows):
+        problems.append(f"beside.rows: {rows!r}; the other study's row (from 0) beside each comparison")
+        rows = []
+    elif rows and family is not None and len(rows) != len(family.comparisons):
+        problems.append(
+            f"beside.rows: {len(rows)} rows for family {family.name}'s {len(family.comparisons)} comparisons"
+        )
+    return Beside(b["family"], b["study"], b["label"], tuple(rows))
+
+
+def _piece(p, phases: list[str], problems: list[str]) -> Piece:
+    """A piece: its name, or a mapping {name: {its arguments}}."""
+    name, args = (
+        (p, {}) if isinstance(p, str) else (next(iter(p.items())) if isinstance(p, dict) and len(p) == 1 else ("", {}))
+    )
+    if name not in PIECES or not isinstance(args, dict):
+        problems.append(f"pieces: {p!r}; one of {', '.join(PIECES)}, e.g. `- reruns: {{phase: P, of: STUDY}}`")
+        return Piece(str(name))
+    if set(args) != set(PIECES[name]):
+        wanted = ", ".join(PIECES[name]) or "none"
+        problems.append(f"pieces.{name}: arguments {', '.join(sorted(args)) or 'none'}; it takes {wanted}")
+    if "phase" in args and args["phase"] not in phases:
+        problems.append(f"pieces.{name}.phase: {args['phase']!r} is not a phase ({', '.join(phases)})")
+    return Piece(name, dict(args))

@@ -13,6 +13,7 @@ from pathlib import Path
 import pandas as pd
 
 from .paper_shape import frame as shape_frame
+from .pieces import COLUMNS
 from .science import paper_ratio
 from .spec import Comparison, Family, SeedRule, Study
 from .stats import Claim, explore, judge, paired_ratio, seeds_for
@@ -38,9 +39,13 @@ def overrides_of(point: str) -> set[str]:
 
 
 def arm_of(overrides: set[str], study: Study) -> str:
-    """The arm whose overrides the run has, the most specific where several match ("?": none)."""
-    matching = [a for a, own in study.arms.items() if set(own) <= overrides]
-    return max(matching, key=lambda a: len(study.arms[a]), default="?")
+    """The arm whose overrides the run has, the most specific where several match ("?": none). A
+    key the run has from the reduced pipeline's overrides (a reduced run: Hydra keeps the last value
+    of a key) does not count."""
+    replaced = {o.split("=", 1)[0] for o in study.reduced.overrides if o in overrides}
+    own = {a: {o for o in arm if o.split("=", 1)[0] not in replaced} for a, arm in study.arms.items()}
+    matching = [a for a in own if own[a] <= overrides]
+    return max(matching, key=lambda a: len(own[a]), default="?")
 
 
 def place(name: str, study: Study) -> tuple[str, str, str]:
@@ -57,13 +62,21 @@ def place(name: str, study: Study) -> tuple[str, str, str]:
 
 def frame(runs, study: Study) -> pd.DataFrame:
     """The paper-shape study's one row per run (analysis.paper_shape.frame), with the phase, the
-    arm and the run id its directory gives."""
+    arm and the run id its directory gives, and the columns the spec's pieces read."""
     df = shape_frame(runs)
     placed = [place(run.name, study) for run in runs]
     df["phase"] = [p for p, _, _ in placed]
     df["run"] = [r for _, _, r in placed]
     df.insert(2, "arm", [a for _, a, _ in placed])
+    for piece in study.pieces:  # the columns a named piece reads (analysis.pieces)
+        if piece.name in COLUMNS and runs:
+            df = df.join(pd.DataFrame([COLUMNS[piece.name](run) for run in runs], index=df.index))
     return df
+
+
+def placed_arms(df: pd.DataFrame, study: Study) -> pd.DataFrame:
+    """df (e.g. read back from a report's runs.csv) with every row's arm from its run id."""
+    return df.assign(arm=[arm_of(overrides_of(Path(r).name), study) for r in df["run"]])
 
 
 def arm(df: pd.DataFrame, name: str, phase: str) -> pd.Series:
@@ -108,9 +121,10 @@ def family_table(df: pd.DataFrame, study: Study, family: Family, paper: dict) ->
     return table
 
 
-def findings(df: pd.DataFrame, study: Study, paper: dict) -> pd.DataFrame:
-    """Every family's rows, in the spec's order, with each interval's relative half-width."""
-    tables = [family_table(df, study, f, paper).assign(family=f.name) for f in study.families]
+def findings(df: pd.DataFrame, study: Study, paper: dict, families: list[Family] | None = None) -> pd.DataFrame:
+    """Every family's rows (or `families`'), in the spec's order, with each interval's relative
+    half-width."""
+    tables = [family_table(df, study, f, paper).assign(family=f.name) for f in families or study.families]
     table = pd.concat(tables, ignore_index=True)
     table["half_width"] = table["hi"] / table["ratio"] - 1
     return table[["family", *[c for c in table.columns if c != "family"]]]

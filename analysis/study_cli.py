@@ -2,13 +2,14 @@
 
     fldp-study run SPEC [OUT] [--reduced] [--until PHASE] [--allow-mixed] [--allow-changed-spec] [KEY=VALUE...]
     fldp-study status SPEC OUT [--reduced]
-    fldp-study report SPEC OUT [--allow-mixed]
+    fldp-study report SPEC OUT [--allow-mixed] [--banked RESULTS]
 
 run: every phase (Hydra multiruns of its arms into OUT/runs/PHASE/), then the report in OUT/report/;
 again with the same OUT, finished runs are skipped. --until PHASE stops after it. --reduced: CI's
 pipeline check (the spec's `reduced`), whose numbers judge nothing. KEY=VALUE: overrides for every
 run (cluster=slurm submits them). status: what is finished and what is left, with a time estimate.
-report: the report of OUT's runs. A bad spec or argument exits 2 before anything runs."""
+report: the report of OUT's runs (--banked RESULTS: with the phases they lack from an earlier report's
+per-run numbers, e.g. the committed one: a report made again from them). A bad spec or argument exits 2 before anything runs."""
 
 from __future__ import annotations
 
@@ -37,6 +38,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--until", metavar="PHASE", help="run: stop after this phase")
     p.add_argument("--allow-changed-spec", action="store_true", help="run: go on in an OUT run under another spec")
     p.add_argument("--allow-mixed", action="store_true", help="pool runs of different fldp commits")
+    p.add_argument(
+        "--banked",
+        type=Path,
+        metavar="RESULTS",
+        help="report: the phases OUT's runs lack from an earlier report's runs.csv and losses.csv.gz",
+    )
     return p
 
 
@@ -46,19 +53,26 @@ def shown(argv: list[str]) -> str:
     return f"{PROG} " + shlex.join(os.path.relpath(a) if a.startswith(cwd) else a for a in argv)
 
 
-def write_report(study: Study, out: Path, allow_mixed: bool, command: str) -> int:
+def write_report(study: Study, out: Path, allow_mixed: bool, command: str, banked: Path | None = None) -> int:
+    import pandas as pd
+
     from . import paper as paper_values
     from .discover import collect_for
-    from .study import frame
+    from .paper_shape import banked as with_banked
+    from .study import frame, placed_arms
     from .study_report import report
 
-    runs, problems = collect_for(PROG, [str(out / "runs")], allow_mixed)
-    if not runs:
+    runs, problems = collect_for(PROG, [str(out / "runs")], allow_mixed) if (out / "runs").is_dir() else ([], [])
+    df = frame(runs, study) if runs else pd.DataFrame()
+    if banked is not None:  # the phases OUT's runs lack, from a committed report's per-run numbers
+        df = placed_arms(with_banked(df, banked, allow_mixed), study)
+    if df.empty:
+        print(f"{PROG}: no finished run in {out / 'runs'}", file=sys.stderr)
         return 1
     elapsed_path = out / "elapsed_s"
     elapsed = float(elapsed_path.read_text()) if elapsed_path.exists() else None
-    path = report(frame(runs, study), study, paper_values.load(), out / "report", command, elapsed, out / "runs")
-    print(f"{PROG}: {len(runs)} runs, {len(problems)} skipped; wrote {path}")
+    path = report(df, study, paper_values.load(), out / "report", command, elapsed, out / "runs")
+    print(f"{PROG}: {len(df)} runs, {len(problems)} skipped; wrote {path}")
     return 1 if problems else 0
 
 
@@ -98,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(status_lines(study, out, args.reduced, decider(study)(out))))
         return 0
     if args.command == "report":
-        return write_report(study, out, args.allow_mixed, shown(argv))
+        return write_report(study, out, args.allow_mixed, shown(argv), args.banked)
     refused = stamp(study, out, args.allow_changed_spec)
     if refused:
         print(f"{PROG}: {refused}", file=sys.stderr)

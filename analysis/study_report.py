@@ -14,6 +14,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from .paper_shape import changed, displayed, losses, plan_quote  # noqa: E402
+from .pieces import sections  # noqa: E402
 from .render import markdown  # noqa: E402
 from .spec import Study  # noqa: E402
 from .study import METRIC, arm, decided_seeds, findings, pilot, seconds_per_run  # noqa: E402
@@ -32,15 +33,16 @@ def committed_primary(directory: Path) -> pd.DataFrame:
     return table.reset_index(drop=True)
 
 
-def beside(table: pd.DataFrame, study: Study) -> list[str]:
-    """Each `beside` entry: the family's rows beside another study's committed primary verdicts,
-    and whether the direction changed (named, not tested)."""
+def beside(table: pd.DataFrame, study: Study, family: str) -> list[str]:
+    """The family's `beside` entries: its rows beside another study's committed primary verdicts
+    (in order, or the entry's rows), and whether the direction changed (named, not tested)."""
     parts = []
-    for b in study.beside:
+    for b in (b for b in study.beside if b.family == family):
         then = committed_primary(study.directory.parent / b.study)
         ours = table[table["family"] == b.family].reset_index(drop=True)
         if then.empty:
             continue
+        olds = then.iloc[list(b.rows)] if b.rows else then.iloc[: len(ours)]
         rows = [
             {
                 "claim": now["claim"],
@@ -48,9 +50,9 @@ def beside(table: pd.DataFrame, study: Study) -> list[str]:
                 b.label: f"{old['ratio']:.3f} [{old['lo']:.3f}, {old['hi']:.3f}] {old['direction']}",
                 "changed": changed(now["direction"], old["direction"]),
             }
-            for (_, now), (_, old) in zip(ours.iterrows(), then.iterrows())
+            for (_, now), (_, old) in zip(ours.iterrows(), olds.iterrows())
         ]
-        parts += [f"\n### {b.family} beside {b.label} (named, not tested)\n", markdown(pd.DataFrame(rows))]
+        parts += [f"\n{b.family} beside {b.label} (named, not tested):\n", markdown(pd.DataFrame(rows))]
     return parts
 
 
@@ -64,7 +66,9 @@ def figure(df: pd.DataFrame, table: pd.DataFrame, study: Study, out: Path) -> No
         v = arm(df, name, phase)
         left.scatter([i] * len(v), v, alpha=0.6, color=f"C{i % 10}")
     left.set_xticks(range(len(names)), names, rotation=45, ha="right")
-    left.set(yscale="log", ylabel=f"{METRIC} (each seed, {phase})", title="arms")
+    left.set(ylabel=f"{METRIC} (each seed, {phase})", title="arms")
+    if (df.loc[df["phase"] == phase, METRIC] > 0).any():
+        left.set_yscale("log")
     judged = {f.name for f in study.families if f.test == "judge"}
     shown = table[table["family"].isin(judged)].reset_index(drop=True)
     y = range(len(shown))
@@ -72,7 +76,9 @@ def figure(df: pd.DataFrame, table: pd.DataFrame, study: Study, out: Path) -> No
     right.scatter(shown["paper"], y, marker="x", color="C3", label="paper")
     right.axvline(1.0, color="grey", lw=0.8)
     right.set_yticks(list(y), [c[:40] for c in shown["claim"]])
-    right.set(xscale="log", xlabel="ratio (simultaneous interval)", title="judged families")
+    right.set(xlabel="ratio (simultaneous interval)", title="judged families")
+    if (shown["ratio"] > 0).any():
+        right.set_xscale("log")
     right.invert_yaxis()
     right.legend()
     fig.tight_layout()
@@ -99,25 +105,38 @@ def pilot_section(df: pd.DataFrame, study: Study, paper: dict, out: Path) -> lis
     ]
 
 
+JUDGED = (
+    "judged: each interval simultaneous (Bonferroni, 1 - 0.05 / {m}), the direction read at the level Holm's "
+    "step-down gives it (analysis.stats.judge)"
+)
+EXPLORED = "explored: plain 95% intervals, no verdict read from them"
+
+
+def family_section(table: pd.DataFrame, study: Study, family) -> list[str]:
+    rows = displayed(table[table["family"] == family.name], study.target)
+    judged = family.test == "judge"
+    columns = ["claim", "interval", "paper", "direction", *(["size"] if judged else []), "seeds"]
+    return [
+        f"### {family.name}\n",
+        f"{len(family.comparisons)} comparisons, {(JUDGED if judged else EXPLORED).format(m=len(family.comparisons))}.\n",
+        *([family.note + "\n"] if family.note else []),
+        markdown(rows[[*columns, *(["target"] if judged else [])]]),
+        *beside(table, study, family.name),
+        "",
+    ]
+
+
 def verdicts(df: pd.DataFrame, study: Study, paper: dict, out: Path) -> list[str]:
-    """The verdicts section; writes findings.csv and figure.png."""
-    table = findings(df, study, paper)
+    """The verdicts section, a table per family with its phase's runs; writes findings.csv and
+    figure.png."""
+    shown = [f for f in study.families if (df["phase"] == f.phase).any()]
+    table = findings(df, study, paper, shown)
     table.to_csv(out / "findings.csv", index=False)
     figure(df, table, study, out)
-    judged = [f"{f.name} ({len(f.comparisons)})" for f in study.families if f.test == "judge"]
-    return [
-        "## Verdicts\n",
-        f"Judged families: {', '.join(judged)}; each family's intervals are simultaneous (Bonferroni, "
-        "1 - 0.05 / m), the direction reads the interval at Holm's level (analysis.stats.judge). Families "
-        "marked explore are shown at 95%, not judged.\n",
-        markdown(
-            displayed(table, study.target)[
-                ["family", "claim", "interval", "paper", "direction", "size", "seeds", "target"]
-            ]
-        ),
-        *beside(table, study),
-        "\n![arms and ratios](figure.png)\n",
-    ]
+    parts = ["## Verdicts\n"]
+    for family in shown:
+        parts += family_section(table, study, family)
+    return [*parts, "![arms and ratios](figure.png)\n"]
 
 
 def spec_line(study: Study, runs_dir: Path) -> str:
@@ -141,8 +160,9 @@ def report(
         + f". {len(df)} runs: one row each in runs.csv, every step's training loss in losses.csv.gz.\n",
         spec_line(study, runs_dir),
         *pilot_section(df, study, paper, out),
+        *sections(df, study, out),
     ]
-    if (df["phase"] == study.families[0].phase).any():
+    if any((df["phase"] == f.phase).any() for f in study.families):
         parts += verdicts(df, study, paper, out)
     parts.append(plan_quote(study.plan))
     path = out / "report.md"

@@ -19,13 +19,14 @@ STAMP = "study.json"
 def phase_seeds(
     study: Study, phase: Phase, reduced: bool, decided: dict[str, int] | None
 ) -> dict[str, list[int]] | None:
-    """Each arm's seeds in a phase: the spec's (the reduced pipeline's where it names the phase), or
-    0..N-1 with N the seed rule's (reduced: its fixed N); None while the rule cannot decide yet."""
-    fixed = study.reduced.seeds.get(phase.name) if reduced else None
-    if fixed or phase.seeds is not None:
-        return dict.fromkeys(phase.arms, list(fixed or phase.seeds or ()))
+    """Each arm's seeds in a phase: the spec's, or 0..N-1 with N the seed rule's; None while the
+    rule cannot decide yet. Reduced: the reduced pipeline's where it names the phase, else 0..N-1
+    with N its judging_seeds."""
     if reduced:
-        return dict.fromkeys(phase.arms, list(range(study.reduced.judging_seeds)))
+        fixed = study.reduced.seeds.get(phase.name) or range(study.reduced.judging_seeds)
+        return dict.fromkeys(phase.arms, list(fixed))
+    if phase.seeds is not None:
+        return dict.fromkeys(phase.arms, list(phase.seeds))
     if decided is None:
         return None
     return {a: list(range(decided[a])) for a in phase.arms}
@@ -91,6 +92,9 @@ def run(study: Study, out: Path, reduced: bool, until: str | None, overrides: li
     start, status = time.monotonic(), 0
     extra = [*(study.reduced.overrides if reduced else ()), *overrides]
     for phase in study.phases:
+        if not phase.run:
+            print(f"{study.name}: {phase.name}: kept as it ran, not run again (the spec: run: false)")
+            continue
         needs_rule = phase.seeds is None and not reduced
         seeds = phase_seeds(study, phase, reduced, decide(out) if needs_rule else None)
         if seeds is None:
@@ -103,7 +107,8 @@ def run(study: Study, out: Path, reduced: bool, until: str | None, overrides: li
                 f"({time.monotonic() - start:.0f} s so far)",
                 flush=True,
             )
-            status |= subprocess.run(command(study, out, phase.name, overrides, batch_seeds, extra)).returncode != 0
+            every = [*phase.overrides, *extra]
+            status |= subprocess.run(command(study, out, phase.name, overrides, batch_seeds, every)).returncode != 0
         if phase.name == until:
             break
     total = elapsed(out, time.monotonic() - start)
@@ -133,6 +138,9 @@ def status_lines(study: Study, out: Path, reduced: bool, decided: dict[str, int]
         finished = finished_seeds(out, phase.name, study)
         for arm in phase.arms:
             done = finished.get(arm, {})
+            if not phase.run:
+                lines.append(f"{phase.name:8} {arm:16} {len(done)} finished; not run again (run: false)")
+                continue
             if seeds is None:
                 lines.append(f"{phase.name:8} {arm:16} {len(done)} finished; seeds not decided yet")
                 continue

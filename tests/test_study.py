@@ -1,7 +1,8 @@
 """Study specs (analysis.spec) and what fldp-study decides and finds from them: the committed
-precision study's verdicts and pilot again from its per-run numbers, the seed rule and its budget,
-and bad specs refused before anything runs. A spec's pipeline end to end is CI's reduced run
-(`fldp-study run experiments/precision --reduced`, .ci/run)."""
+precision and tokens studies' verdicts, pilot and noise scale again from their per-run numbers, the
+seed rule and its budget, a report made again from an earlier one's numbers, and bad specs refused
+before anything runs. A spec's pipeline end to end is CI's reduced run (`fldp-study run SPEC
+--reduced`, .ci/run)."""
 
 import subprocess
 import sys
@@ -13,12 +14,13 @@ import pytest
 import yaml
 
 from analysis import paper
-from analysis.paper_shape import changed
+from analysis.paper_shape import banked, changed, losses
 from analysis.spec import SeedRule, SpecError, load
 from analysis.study import arm_of, findings, judging_seeds, overrides_of, pilot
 
 ROOT = Path(__file__).resolve().parents[1]
 PRECISION = ROOT / "experiments" / "precision"
+TOKENS = ROOT / "experiments" / "tokens"
 FLDP_STUDY = str(Path(sys.executable).parent / "fldp-study")  # the installed command (README's setup)
 
 
@@ -29,9 +31,11 @@ def committed_precision_runs(study) -> pd.DataFrame:
     return df
 
 
-def assert_same_table(new: pd.DataFrame, old: pd.DataFrame) -> None:
-    assert list(new.columns) == list(old.columns)
-    for column in old.columns:
+def assert_same_table(new: pd.DataFrame, old: pd.DataFrame, but: tuple[str, ...] = ()) -> None:
+    """Every column of `old` but those named, in its order: numbers to 1e-9, the rest as text."""
+    new = new.reset_index(drop=True)
+    assert [c for c in new.columns if c in old.columns] == [c for c in old.columns if c not in but]
+    for column in (c for c in old.columns if c not in but):
         if old[column].dtype.kind == "f":
             np.testing.assert_allclose(new[column].to_numpy(float), old[column].to_numpy(float), rtol=0, atol=1e-9)
         else:
@@ -45,6 +49,53 @@ def test_the_precision_spec_finds_the_committed_verdicts_and_pilot_from_the_comm
     assert (df["arm"] == df["algorithm"] + np.where(df["reductions"] == "fp32r", "-fp32r", "")).all()
     assert_same_table(findings(df, study, values), pd.read_csv(PRECISION / "results" / "findings.csv"))
     assert_same_table(pilot(df, study, values), pd.read_csv(PRECISION / "results" / "pilot.csv"))
+
+
+def test_the_tokens_report_made_again_from_its_committed_runs_has_the_committed_numbers(tmp_path):
+    """fldp-study report from no run directory but the committed report's per-run numbers
+    (--banked): the verdicts, the one-pass exploration and the noise scale the study's own module
+    (analysis.tokens, before the port) committed. Its findings.csv has a family column, no block."""
+    out = tmp_path / "tokens"
+    proc = subprocess.run(
+        [FLDP_STUDY, "report", str(TOKENS), str(out), "--banked", str(TOKENS / "results"), "--allow-mixed"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    new, results = pd.read_csv(out / "report" / "findings.csv"), TOKENS / "results"
+    assert_same_table(new[new["family"] == "primary"], pd.read_csv(results / "findings.csv"), but=("block",))
+    assert_same_table(new[new["family"] != "primary"], pd.read_csv(results / "onepass.csv"), but=("block",))
+    assert_same_table(pd.read_csv(out / "report" / "noise.csv"), pd.read_csv(results / "noise.csv"))
+    report = (out / "report" / "report.md").read_text()
+    assert "The noise16 runs that repeat one: 9 runs, largest relative eval-loss difference 2.0e-04" in report
+
+
+def made_up_runs(phase: str, steps: int, commit: str) -> pd.DataFrame:
+    """Three arms on seeds 0-4, each with a run id and a two-step loss curve."""
+    rows = [
+        {"run": f"{phase}/algorithm={a},seed={s}", "phase": phase, "algorithm": a, "seed": s, "steps": steps}
+        for a in ("fsdp", "fl_fsdp", "fl_hsdp")
+        for s in range(5)
+    ]
+    df = pd.DataFrame(rows).assign(commit=commit)
+    return df.assign(step=[[1, 2]] * len(df), loss=[[7.0 + s, 6.0 + s] for s in df["seed"]])
+
+
+def test_a_report_made_again_takes_the_phases_its_runs_lack_from_the_earlier_one(tmp_path):
+    earlier = pd.concat([made_up_runs("noise16", 64, "old"), made_up_runs("judge", 32, "old")])
+    earlier.drop(columns=["step", "loss"]).to_csv(tmp_path / "runs.csv", index=False)
+    losses(earlier, tmp_path)
+    now = made_up_runs("judge", 64, "new")
+    with pytest.raises(SystemExit) as refused:  # other commits' rows, not asked for
+        banked(now, tmp_path, allow_mixed=False)
+    assert refused.value.code == 2
+    both = banked(now, tmp_path, allow_mixed=True)
+    assert len(both) == 30 and set(both[both["commit"] == "old"]["phase"]) == {"noise16"}  # no old judge row
+    assert (both[both["phase"] == "judge"]["steps"] == 64).all()
+    row = both[(both["phase"] == "noise16") & (both["seed"] == 3)].iloc[0]
+    assert row["step"] == [1, 2] and row["loss"] == [10.0, 9.0]  # its curve, read back from losses.csv.gz
+    alone = banked(now.iloc[:0], tmp_path, allow_mixed=False)  # no runs: all of the earlier, one commit
+    assert len(alone) == 30 and alone.iloc[0]["step"] == [1, 2]
 
 
 RULE = SeedRule("pilot", "primary", 0.018, 5, budget_s=7200, fallback_seeds=3, fallback_arms=("a-fp32r", "b-fp32r"))
@@ -100,8 +151,12 @@ def comparisons_of(data: dict, i: int) -> list:
         (lambda d: d["families"][1].update(comparisons=[]), "a family of zero"),
         (lambda d: d["families"][0].update(phase="judging"), "'judging' is not a phase"),
         (lambda d: d["arms"].update(fsdp=["algorithm"]), "not a Hydra override KEY=VALUE"),
-        (lambda d: d["phases"][0].update(seeds=[200, "b"]), "phases[0].seeds: a list of integer seeds"),
+        (lambda d: d["phases"][0].update(seeds=[200, "b"]), "phases.pilot.seeds: a list of integer seeds"),
         (lambda d: d.pop("seed_rule"), "a phase without seeds needs seed_rule"),
+        (lambda d: d["phases"][0].update(overides=["x=1"]), "phases.pilot: unknown key 'overides'"),
+        (lambda d: d.update(pieces=["noise"]), "pieces: 'noise'; one of noise_scale, reruns"),
+        (lambda d: d.update(pieces=[{"reruns": {"phase": "judge"}}]), "pieces.reruns: arguments phase; it takes"),
+        (lambda d: d["beside"][0].update(rows=[0, 1]), "beside.rows: 2 rows for family primary's 4 comparisons"),
     ],
 )
 def test_a_bad_spec_is_refused_naming_the_key_and_the_fix(tmp_path, change, words):
@@ -165,3 +220,14 @@ def test_a_run_directorys_overrides_name_its_arm_the_most_specific_one():
         "topology.network=[{tier:node,ranks:4},{tier:x,ranks:8}]",
     }
     assert arm_of(overrides_of("algorithm=diloco,seed=0"), study) == "?"
+
+
+def test_every_piece_a_spec_may_name_is_a_section_taking_the_arguments_the_spec_checks():
+    import inspect
+
+    from analysis.pieces import SECTIONS
+    from analysis.spec import PIECES
+
+    assert set(PIECES) == set(SECTIONS)
+    for name, args in PIECES.items():
+        assert tuple(inspect.signature(SECTIONS[name]).parameters)[3:] == args, name
