@@ -121,8 +121,8 @@ def add_allow_mixed(parser) -> None:
 
 
 def study_parser(module: str, doc: str | None) -> argparse.ArgumentParser:
-    """The command line of a pre-registered study's analysis written as a module (analysis.paper_shape,
-    analysis.sensitivity): RUNS, --decide [--seeds N] for its runner, or --out DIR for its report."""
+    """The command line of a pre-registered study's analysis written as a module (analysis.paper_shape):
+    RUNS, --decide [--seeds N] for its runner, or --out DIR for its report."""
     parser = argparse.ArgumentParser(
         prog=f"python -m {module}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -4,7 +4,8 @@ may add columns to the one row per run (COLUMNS) and adds a section to report.md
 - noise_scale: each run's mean gradient-noise terms (fldp.noise_scale) and, per phase, algorithm and
   block length, B_simple against the tokens a group steps on (noise.csv).
 - reruns: a phase's runs beside the runs of another study's committed judging phase they repeat
-  (the same algorithm, seed, steps and mesh): does the code still compute what it computed then."""
+  (the same algorithm, seed, steps and mesh), on a metric (rerun.csv): does the code still compute
+  what it computed then."""
 
 from __future__ import annotations
 
@@ -75,14 +76,19 @@ def noise_section(df: pd.DataFrame, study: Study, out: Path) -> list[str]:
     return ["## Gradient noise scale\n", markdown(table.round(3)), "", "![noise scale](noise.png)\n"]
 
 
-def reruns_section(df: pd.DataFrame, study: Study, out: Path, phase: str, of: str) -> list[str]:
-    results = study.directory.parent / of / "results"
-    table = beside_committed(df[df["phase"] == phase], "eval_loss", results)
-    found = (
-        f"{len(table)} runs, largest relative eval-loss difference {table['relative_difference'].abs().max():.1e}"
-        if not table.empty
-        else f"not checked (no {phase} run reruns a committed {of} judging run)"
-    )
+def reruns_section(df: pd.DataFrame, study: Study, out: Path, phase: str, of: str, metric: str) -> list[str]:
+    """rerun.csv: each of the phase's runs beside the committed run it repeats, on `metric`."""
+    table = beside_committed(df[df["phase"] == phase], metric, study.directory.parent / of / "results")
+    table.to_csv(out / "rerun.csv", index=False)
+    if table.empty:
+        found = f"not checked (no {phase} run repeats a committed {of} judging run)"
+    else:
+        gap = table["relative_difference"].abs()
+        per_algorithm = table.assign(gap=gap).groupby("algorithm")["gap"].max()
+        found = (
+            f"{len(table)} runs, {int((gap == 0).sum())} identical; the largest relative difference of {metric} "
+            + ", ".join(f"{a} {v:.1e}" for a, v in per_algorithm.items())
+        )
     return [f"## Reruns of the {of} study's judging runs\n\nThe {phase} runs that repeat one: {found}.\n"]
 
 

@@ -23,23 +23,32 @@ class SpecError(Exception):
 @dataclass(frozen=True)
 class Comparison:
     """Claim: num's metric / den's, over paired seeds; `paper`: the paper's value of the ratio of
-    the two arms' algorithms, or "above"/"below" (no value: only the side the claim is on)."""
+    the two arms' algorithms, or "above"/"below" (no value: only the side the claim is on). `also`:
+    an algorithm the numerator stands for too (HSDP is FSDP's computation in the simulator), whose
+    paper value the same interval is read against (size only)."""
 
     claim: str
     num: str
     den: str
     paper: str = "paper"
+    also: str | None = None
 
 
 @dataclass(frozen=True)
 class Family:
-    """`note`: what the report says above the family's table (e.g. why it is explored only)."""
+    """`phases`: where its arms' runs are looked for (one, or several where its arms belong to
+    different phases: each arm's runs are in one of them). `note`: what the report says above the
+    family's table (e.g. why it is explored only)."""
 
     name: str
-    phase: str
+    phases: tuple[str, ...]
     test: str
     comparisons: tuple[Comparison, ...]
     note: str = ""
+
+    @property
+    def phase(self) -> str:
+        return self.phases[0]
 
 
 @dataclass(frozen=True)
@@ -84,7 +93,7 @@ class Beside:
 
 
 # named pieces of a report a spec can ask for (analysis.pieces), each with the arguments it takes
-PIECES = {"noise_scale": (), "reruns": ("phase", "of")}
+PIECES = {"noise_scale": (), "reruns": ("phase", "of", "metric")}
 
 
 @dataclass(frozen=True)
@@ -259,10 +268,12 @@ def _family(f, i: int, arms: dict, phases: list[str], problems: list[str]) -> Fa
     key = f"families[{i}]"
     if not isinstance(f, dict) or not isinstance(f.get("name"), str):
         problems.append(f"{key}: a mapping with a name, a phase, a test and comparisons")
-        return Family(f"?{i}", "", "judge", ())
+        return Family(f"?{i}", ("",), "judge", ())
     key = f"families.{f['name']}"
-    if f.get("phase") not in phases:
-        problems.append(f"{key}.phase: {f.get('phase')!r} is not a phase (the phases: {', '.join(phases)})")
+    own = tuple(f["phase"]) if isinstance(f.get("phase"), list) and f["phase"] else (f.get("phase"),)
+    for phase in own:
+        if phase not in phases:
+            problems.append(f"{key}.phase: {phase!r} is not a phase (the phases: {', '.join(phases)})")
     if f.get("test", "judge") not in TESTS:
         problems.append(f"{key}.test: {f.get('test')!r}; one of {', '.join(TESTS)}")
     comparisons = []
@@ -277,8 +288,8 @@ def _family(f, i: int, arms: dict, phases: list[str], problems: list[str]) -> Fa
         _unknown_arms([c["num"], c["den"]], arms, f"{key}.comparisons[{j}]", problems)
         if c.get("paper", "paper") not in PAPER_SIDES:
             problems.append(f"{key}.comparisons[{j}].paper: {c.get('paper')!r}; one of {', '.join(PAPER_SIDES)}")
-        comparisons.append(Comparison(c["claim"], c["num"], c["den"], c.get("paper", "paper")))
-    return Family(f["name"], str(f.get("phase")), f.get("test", "judge"), tuple(comparisons), str(f.get("note", "")))
+        comparisons.append(Comparison(c["claim"], c["num"], c["den"], c.get("paper", "paper"), c.get("also")))
+    return Family(f["name"], tuple(map(str, own)), f.get("test", "judge"), tuple(comparisons), str(f.get("note", "")))
 
 
 def _seed_rule(r, arms: dict, phases: list[str], families: list[str], problems: list[str]) -> SeedRule | None:
@@ -334,7 +345,9 @@ def _piece(p, phases: list[str], problems: list[str]) -> Piece:
         (p, {}) if isinstance(p, str) else (next(iter(p.items())) if isinstance(p, dict) and len(p) == 1 else ("", {}))
     )
     if name not in PIECES or not isinstance(args, dict):
-        problems.append(f"pieces: {p!r}; one of {', '.join(PIECES)}, e.g. `- reruns: {{phase: P, of: STUDY}}`")
+        problems.append(
+            f"pieces: {p!r}; one of {', '.join(PIECES)}, e.g. `- reruns: {{phase: P, of: STUDY, metric: eval_loss}}`"
+        )
         return Piece(str(name))
     if set(args) != set(PIECES[name]):
         wanted = ", ".join(PIECES[name]) or "none"

@@ -16,7 +16,7 @@ from .paper_shape import frame as shape_frame
 from .pieces import COLUMNS
 from .science import paper_ratio
 from .spec import Comparison, Family, SeedRule, Study
-from .stats import Claim, explore, judge, paired_ratio, seeds_for
+from .stats import Claim, Ratio, explore, judge, paired_ratio, seeds_for, size
 
 METRIC = "eval_perplexity"
 NO_PAPER = "n/a (no paper value)"
@@ -79,9 +79,9 @@ def placed_arms(df: pd.DataFrame, study: Study) -> pd.DataFrame:
     return df.assign(arm=[arm_of(overrides_of(Path(r).name), study) for r in df["run"]])
 
 
-def arm(df: pd.DataFrame, name: str, phase: str) -> pd.Series:
-    """An arm's metric by seed in a phase."""
-    sel = df[(df["phase"] == phase) & (df["arm"] == name)]
+def arm(df: pd.DataFrame, name: str, phases: str | tuple[str, ...]) -> pd.Series:
+    """An arm's metric by seed in a phase (or in any of several)."""
+    sel = df[df["phase"].isin([phases] if isinstance(phases, str) else phases) & (df["arm"] == name)]
     return sel.drop_duplicates("seed").set_index("seed")[METRIC]
 
 
@@ -102,8 +102,8 @@ def claims(df: pd.DataFrame, study: Study, family: Family, paper: dict, phase: s
     return [
         Claim(
             c.claim,
-            arm(df, c.num, phase or family.phase),
-            arm(df, c.den, phase or family.phase),
+            arm(df, c.num, phase or family.phases),
+            arm(df, c.den, phase or family.phases),
             paper_value(study, c, paper),
         )
         for c in family.comparisons
@@ -118,7 +118,18 @@ def family_table(df: pd.DataFrame, study: Study, family: Family, paper: dict) ->
     sided = [c.paper != "paper" for c in family.comparisons]
     table.loc[sided, "paper"] = math.nan
     table.loc[sided, "size"] = NO_PAPER
-    return table
+    return stood_for(table, study, family, paper)
+
+
+def stood_for(table: pd.DataFrame, study: Study, family: Family, paper: dict) -> pd.DataFrame:
+    """The table with `also` (the algorithm a comparison's numerator stands for too), `paper_also`
+    (the paper's ratio of it to the denominator) and `size_also` (the same interval against it)."""
+    values, sizes = [], []
+    for c, row in zip(family.comparisons, table.itertuples()):
+        value = paper_ratio(paper, c.also, algorithm_of(study, c.den)) if c.also else math.nan
+        values.append(value)
+        sizes.append(size(Ratio(row.ratio, row.lo, row.hi, int(row.seeds)), value) if c.also else "")
+    return table.assign(also=[c.also or "" for c in family.comparisons], paper_also=values, size_also=sizes)
 
 
 def findings(df: pd.DataFrame, study: Study, paper: dict, families: list[Family] | None = None) -> pd.DataFrame:

@@ -112,8 +112,22 @@ JUDGED = (
 EXPLORED = "explored: plain 95% intervals, no verdict read from them"
 
 
+def with_also(rows: pd.DataFrame) -> pd.DataFrame:
+    """The paper and size columns with the second paper value where a comparison has one (`also`)."""
+    also = rows["also"].fillna("").astype(str) != ""
+    paper = [
+        f"{p} ({a.upper()} {v:.2f})" if has else p
+        for p, a, v, has in zip(rows["paper"], rows["also"], rows["paper_also"], also)
+    ]
+    sizes = [
+        f"{s} ({a.upper()}'s value: {'the same' if t == s else t})" if has else s
+        for s, a, t, has in zip(rows["size"], rows["also"], rows["size_also"], also)
+    ]
+    return rows.assign(paper=paper, size=sizes)
+
+
 def family_section(table: pd.DataFrame, study: Study, family) -> list[str]:
-    rows = displayed(table[table["family"] == family.name], study.target)
+    rows = with_also(displayed(table[table["family"] == family.name], study.target))
     judged = family.test == "judge"
     columns = ["claim", "interval", "paper", "direction", *(["size"] if judged else []), "seeds"]
     return [
@@ -129,13 +143,16 @@ def family_section(table: pd.DataFrame, study: Study, family) -> list[str]:
 def verdicts(df: pd.DataFrame, study: Study, paper: dict, out: Path) -> list[str]:
     """The verdicts section, a table per family with its phase's runs; writes findings.csv and
     figure.png."""
-    shown = [f for f in study.families if (df["phase"] == f.phase).any()]
+    shown = [f for f in study.families if all((df["phase"] == p).any() for p in f.phases)]
     table = findings(df, study, paper, shown)
     table.to_csv(out / "findings.csv", index=False)
     figure(df, table, study, out)
     parts = ["## Verdicts\n"]
     for family in shown:
         parts += family_section(table, study, family)
+    waiting = [f"{f.name} (phases {', '.join(f.phases)})" for f in study.families if f not in shown]
+    if waiting:
+        parts.append(f"Not yet: {'; '.join(waiting)}: a phase of each has no finished run.\n")
     return [*parts, "![arms and ratios](figure.png)\n"]
 
 
@@ -162,7 +179,7 @@ def report(
         *pilot_section(df, study, paper, out),
         *sections(df, study, out),
     ]
-    if any((df["phase"] == f.phase).any() for f in study.families):
+    if any(all((df["phase"] == p).any() for p in f.phases) for f in study.families):
         parts += verdicts(df, study, paper, out)
     parts.append(plan_quote(study.plan))
     path = out / "report.md"

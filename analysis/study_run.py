@@ -55,8 +55,9 @@ def command(study: Study, out: Path, phase: str, overrides: list[str], seeds: li
         "-m",
         *study.train,
         f"hydra.sweep.dir={out / 'runs' / phase}",
-        *overrides,
+        # seed before the arms: Hydra varies the last override fastest, so a phase cut short has whole seeds
         f"seed={','.join(map(str, seeds))}",
+        *overrides,
         *extra,
     ]
 

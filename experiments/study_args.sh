@@ -1,5 +1,5 @@
-# The options and the end of a pre-registered study's runner (sourced by experiments/paper_shape.sh and
-# experiments/sensitivity.sh; experiments/precision and tokens are specs, fldp-study):   study_args NAME PHASES "$@"   (PHASES: "tune|hsdp|pilot|judge")
+# The options and the end of a pre-registered study's runner (sourced by experiments/paper_shape.sh;
+# experiments/precision, sensitivity and tokens are specs, fldp-study):   study_args NAME PHASES "$@"   (PHASES: "tune|hsdp|pilot|judge")
 #   [OUT] [--reduced] [--until PHASE] [--allow-mixed] [KEY=VALUE...]
 # sets OUT (absolute; default outputs/NAME/DATE_TIME), REDUCED (0/1), UNTIL (the last phase),
 # MIXED (--allow-mixed or empty) and OVERRIDES (the KEY=VALUE pairs), and enters the repository.

@@ -32,9 +32,9 @@ def committed_precision_runs(study) -> pd.DataFrame:
 
 
 def assert_same_table(new: pd.DataFrame, old: pd.DataFrame, but: tuple[str, ...] = ()) -> None:
-    """Every column of `old` but those named, in its order: numbers to 1e-9, the rest as text."""
+    """Every column of `old` but those named: numbers to 1e-9, the rest as text."""
     new = new.reset_index(drop=True)
-    assert [c for c in new.columns if c in old.columns] == [c for c in old.columns if c not in but]
+    assert {c for c in new.columns if c in old.columns} == {c for c in old.columns if c not in but}
     for column in (c for c in old.columns if c not in but):
         if old[column].dtype.kind == "f":
             np.testing.assert_allclose(new[column].to_numpy(float), old[column].to_numpy(float), rtol=0, atol=1e-9)
@@ -56,18 +56,66 @@ def test_the_tokens_report_made_again_from_its_committed_runs_has_the_committed_
     (--banked): the verdicts, the one-pass exploration and the noise scale the study's own module
     (analysis.tokens, before the port) committed. Its findings.csv has a family column, no block."""
     out = tmp_path / "tokens"
-    proc = subprocess.run(
-        [FLDP_STUDY, "report", str(TOKENS), str(out), "--banked", str(TOKENS / "results"), "--allow-mixed"],
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 0, proc.stderr
+    report_again(TOKENS, out, TOKENS / "results")
     new, results = pd.read_csv(out / "report" / "findings.csv"), TOKENS / "results"
     assert_same_table(new[new["family"] == "primary"], pd.read_csv(results / "findings.csv"), but=("block",))
     assert_same_table(new[new["family"] != "primary"], pd.read_csv(results / "onepass.csv"), but=("block",))
     assert_same_table(pd.read_csv(out / "report" / "noise.csv"), pd.read_csv(results / "noise.csv"))
     report = (out / "report" / "report.md").read_text()
-    assert "The noise16 runs that repeat one: 9 runs, largest relative eval-loss difference 2.0e-04" in report
+    assert "The noise16 runs that repeat one: 9 runs, 0 identical; the largest relative difference" in report
+    rerun = pd.read_csv(out / "report" / "rerun.csv")
+    assert len(rerun) == 9 and f"{rerun['relative_difference'].abs().max():.1e}" == "2.0e-04"  # as committed
+
+
+SENSITIVITY = ROOT / "experiments" / "sensitivity"
+
+
+def report_again(spec: Path, out: Path, results: Path) -> Path:
+    """fldp-study report from no run directory but `results`' per-run numbers (--banked)."""
+    proc = subprocess.run(
+        [FLDP_STUDY, "report", str(spec), str(out), "--banked", str(results), "--allow-mixed"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return out / "report"
+
+
+def test_the_sensitivity_report_made_again_from_its_committed_runs_has_the_committed_numbers(tmp_path):
+    """Each setting's family judged alone, FSDP / FL+HSDP also against HSDP's paper value (its
+    module's paper_hsdp, size_hsdp), each arm under each setting against its base runs (effects.csv),
+    the base runs beside the committed judging runs (rerun.csv): as analysis.sensitivity committed
+    them. The committed direction beside each claim is now a table of the report, not a column."""
+    results = SENSITIVITY / "results"
+    report = report_again(SENSITIVITY, tmp_path / "sensitivity", results)
+    new = pd.read_csv(report / "findings.csv").rename(
+        columns={"family": "setting", "paper_also": "paper_hsdp", "size_also": "size_hsdp"}
+    )
+    judged = new[new["setting"].isin(["the paper's lr 3e-4", "clip 1.0 at lr 1e-2"])]
+    assert_same_table(
+        judged.fillna({"size_hsdp": ""}),
+        pd.read_csv(results / "findings.csv").fillna({"size_hsdp": ""}),
+        but=("paper_shape_direction", "changed"),
+    )
+    effects = new[new["setting"] == "what each setting does to each arm"]
+    assert_same_table(
+        effects[["ratio", "lo", "hi", "seeds"]], pd.read_csv(results / "effects.csv")[["ratio", "lo", "hi", "seeds"]]
+    )
+    assert_same_table(pd.read_csv(report / "rerun.csv"), pd.read_csv(results / "rerun.csv"))
+    assert (report / "report.md").read_text().count("| no |") == 9  # every claim's direction as committed
+
+
+def test_a_family_waits_for_every_phase_it_reads(tmp_path):
+    """The settings are judged before the base phase has run (the plan's amendment 1); the families
+    that read base wait for it, and the report says so."""
+    results = tmp_path / "results"
+    results.mkdir()
+    df = pd.read_csv(SENSITIVITY / "results" / "runs.csv")
+    df[df["phase"] != "base"].to_csv(results / "runs.csv", index=False)
+    (results / "losses.csv.gz").write_bytes((SENSITIVITY / "results" / "losses.csv.gz").read_bytes())
+    report = report_again(SENSITIVITY, tmp_path / "sensitivity", results)
+    assert set(pd.read_csv(report / "findings.csv")["family"]) == {"the paper's lr 3e-4", "clip 1.0 at lr 1e-2"}
+    assert "Not yet: base (phases base); what each setting does to each arm" in (report / "report.md").read_text()
 
 
 def made_up_runs(phase: str, steps: int, commit: str) -> pd.DataFrame:
@@ -155,7 +203,10 @@ def comparisons_of(data: dict, i: int) -> list:
         (lambda d: d.pop("seed_rule"), "a phase without seeds needs seed_rule"),
         (lambda d: d["phases"][0].update(overides=["x=1"]), "phases.pilot: unknown key 'overides'"),
         (lambda d: d.update(pieces=["noise"]), "pieces: 'noise'; one of noise_scale, reruns"),
-        (lambda d: d.update(pieces=[{"reruns": {"phase": "judge"}}]), "pieces.reruns: arguments phase; it takes"),
+        (
+            lambda d: d.update(pieces=[{"reruns": {"phase": "judge"}}]),
+            "pieces.reruns: arguments phase; it takes phase, of, metric",
+        ),
         (lambda d: d["beside"][0].update(rows=[0, 1]), "beside.rows: 2 rows for family primary's 4 comparisons"),
     ],
 )
