@@ -11,7 +11,11 @@ and written (OUT/results.csv) per row with the ratio to the peak measured just b
 model's parameters: all, and without the input embedding and the lm_head (Kaplan et al.'s N).
 
     python experiments/bench_flops.py [--models tiny_llama,ladder_1,ladder_2,ladder_3]
-        [--algorithms fsdp,fl_fsdp] [--steps 4] [--matmul 2048] [--out experiments/flops]
+        [--algorithms fsdp,fl_fsdp] [--steps 4] [--matmul 2048] [--precision fp32] [--malloc-too]
+        [--out experiments/flops]
+
+--malloc-too runs each row with glibc's defaults first (cluster.keep_freed_memory=false), then as
+the simulator runs by default, and prints how much faster a step the second is, side by side.
 """
 
 from __future__ import annotations
@@ -70,10 +74,17 @@ def simulated(cfg, run_dir: Path) -> list[dict]:
     return [r for r in rows if r.get("split") is None]
 
 
-def row(model: str, algorithm: str, args, tmp: Path) -> dict:
-    """One (model, algorithm): the peak, then the simulated run's FLOP/s and its ratio to it."""
+def row(model: str, algorithm: str, args, tmp: Path, keep: bool) -> dict:
+    """One (model, algorithm): the peak, then the simulated run's FLOP/s and its ratio to it;
+    `keep`: cluster.keep_freed_memory."""
     cfg = compose_cfg(
-        "+experiment=paper_shape", f"model={model}", f"algorithm={algorithm}", *QUIET, f"trainer.steps={args.steps}"
+        "+experiment=paper_shape",
+        f"model={model}",
+        f"algorithm={algorithm}",
+        *QUIET,
+        f"trainer.steps={args.steps}",
+        f"trainer.precision={args.precision}",
+        f"cluster.keep_freed_memory={keep}",
     )
     counts = parameters(cfg)
     m, seq = cfg.model, cfg.dataset.block_size
@@ -81,13 +92,15 @@ def row(model: str, algorithm: str, args, tmp: Path) -> dict:
         counts["params"], counts["params"] - counts["params_matmul"], m.num_hidden_layers, m.hidden_size, seq
     )
     peak = matmul_peak(args.matmul)
-    steps = simulated(cfg, tmp / f"{model}-{algorithm}")
+    steps = simulated(cfg, tmp / f"{model}-{algorithm}-{keep}")
     tokens = steps[0]["tokens"]  # the first step's: tokens per step
     step_s = statistics.median(r["time_step"] for r in steps[1:])
     rate = step_flops * tokens / step_s
     found = {
         "model": model,
         "algorithm": algorithm,
+        "precision": args.precision,
+        "keep_freed_memory": keep,
         **counts,
         "tokens_per_step": tokens,
         "step_s": round(step_s, 4),
@@ -97,7 +110,7 @@ def row(model: str, algorithm: str, args, tmp: Path) -> dict:
     }
     print(
         f"{model} ({counts['params'] / 1e6:.2f} M parameters, N = {counts['params_non_embedding'] / 1e6:.2f} M) "
-        f"{algorithm}: {step_s:.3f} s a step, {rate / 1e9:.1f} GFLOP/s against a matmul peak of "
+        f"{algorithm}{'' if keep else ' (glibc defaults)'}: {step_s:.3f} s a step, {rate / 1e9:.1f} GFLOP/s against a matmul peak of "
         f"{peak / 1e9:.1f}: {rate / peak:.0%}",
         flush=True,
     )
@@ -110,6 +123,14 @@ def main() -> None:
     ap.add_argument("--algorithms", default="fsdp,fl_fsdp")
     ap.add_argument("--steps", type=int, default=4, help="steps per run; the first is left out")
     ap.add_argument("--matmul", type=int, default=2048, help="N of the N x N matmul that measures the peak")
+    # fp32: the precision of the studies the ladder extends; the paper's bf16 (leonardo_512's default)
+    # has no fast CPU kernel without AVX-512 BF16 / AMX (this VM: a bf16 step several times an fp32 one)
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    ap.add_argument(
+        "--malloc-too",
+        action="store_true",
+        help="each row first with glibc's defaults (cluster.keep_freed_memory=false), its speed-up printed",
+    )
     ap.add_argument("--out", default=str(ROOT / "experiments" / "flops"))
     args = ap.parse_args()
     start, rows = time.monotonic(), []
@@ -117,7 +138,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models.split(","):
             for algorithm in args.algorithms.split(","):
-                rows.append(row(model, algorithm, args, Path(tmp)))
+                if args.malloc_too:
+                    rows.append(row(model, algorithm, args, Path(tmp), keep=False))
+                rows.append(row(model, algorithm, args, Path(tmp), keep=True))
+                if args.malloc_too:
+                    print(f"  keep_freed_memory: {rows[-2]['step_s'] / rows[-1]['step_s']:.2f}x faster a step")
                 write_results(Path(args.out), rows)  # each row as it lands: a larger model may not fit
     print(f"{len(rows)} rows in {Path(args.out) / 'results.csv'}, {time.monotonic() - start:.0f} s")
 

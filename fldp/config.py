@@ -381,6 +381,12 @@ class ClusterConfig:
         "parameters' dtype, rounded at every hop (fldp/ring.py)",
         "once",
     )
+    keep_freed_memory: bool = setting(
+        Bool(optional=True, when=SIMULATE),
+        "cluster=simulate: glibc keeps freed memory for the next large tensor instead of mapping fresh, "
+        "zeroed pages every step (fldp.simulate.keep_freed_memory); false: glibc's defaults",
+        True,
+    )
     noise_scale_every: int | None = setting(
         Int(ge=1, null=True, optional=True, when=SIMULATE),
         "cluster=simulate: the gradient noise scale B_simple at group 0's weights on the step's sequences "

@@ -67,8 +67,9 @@ COMMON = [
 ]
 ALGORITHMS = {
     "fsdp": ["algorithm=fsdp"],  # a reduce-scatter over 8 shards
-    "hsdp": ["algorithm=hsdp"],  # over 4 shards, then an all-reduce over 2 replicas
-    "fl_hsdp": ["algorithm=fl_hsdp", "algorithm.fedavg.mode=leader_broadcast"],  # and FedAvg's over 2 groups
+    # HSDP's reduce-scatter over shards, then its all-reduce over 2 replicas, in each of 2 groups (2x2x2),
+    # and FedAvg's over the groups; plain HSDP (1x2x4: the same two reductions) is this case's
+    "fl_hsdp": ["algorithm=fl_hsdp", "algorithm.fedavg.mode=leader_broadcast"],
     # the reductions in fp32: FSDP2's MixedPrecisionPolicy(reduce_dtype) and FedAvg's change since the
     # last aggregation, both summed in fp32 and cast back (cluster.reductions=once refuses the first)
     "fl_fsdp_fp32_reductions": ["algorithm=fl_fsdp", "fsdp.reduce_dtype=fp32", "algorithm.outer.reduce_dtype=fp32"],
