@@ -120,30 +120,6 @@ def add_allow_mixed(parser) -> None:
     )
 
 
-def study_parser(module: str, doc: str | None) -> argparse.ArgumentParser:
-    """The command line of a pre-registered study's analysis written as a module (analysis.paper_shape):
-    RUNS, --decide [--seeds N] for its runner, or --out DIR for its report."""
-    parser = argparse.ArgumentParser(
-        prog=f"python -m {module}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("runs", nargs="*", metavar="RUNS")
-    parser.add_argument("--decide", action="store_true", help="print the plan's decisions as shell assignments")
-    parser.add_argument("--seeds", type=int, default=None, help="with --decide: the judging seeds, fixed")
-    parser.add_argument("--out", type=Path, help="directory for the report")
-    parser.add_argument("--elapsed", type=float, default=None, help="the study's wall time [s]")
-    parser.add_argument("--paper", default=None, help="paper values (default: analysis/paper_values.json)")
-    parser.add_argument("--strict", action="store_true", help="exit 1 if any run had to be skipped")
-    parser.add_argument(
-        "--banked",
-        type=Path,
-        metavar="RESULTS",
-        help="also the runs of the phases RUNS lack, from RESULTS/runs.csv and RESULTS/losses.csv.gz "
-        "(an earlier report of the study, whose run directories are gone)",
-    )
-    add_allow_mixed(parser)
-    return parser
-
-
 def add_wandb_filters(parser) -> None:
     """--group, --tag, --job-type, --commit: which runs of a `wandb:ENTITY/PROJECT` to read."""
     group = parser.add_argument_group("runs read from W&B (wandb:ENTITY/PROJECT)")

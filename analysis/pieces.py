@@ -5,7 +5,9 @@ may add columns to the one row per run (COLUMNS) and adds a section to report.md
   block length, B_simple against the tokens a group steps on (noise.csv).
 - reruns: a phase's runs beside the runs of another study's committed judging phase they repeat
   (the same algorithm, seed, steps and mesh), on a metric (rerun.csv): does the code still compute
-  what it computed then."""
+  what it computed then.
+- identical: a phase's runs beside another arm's runs of their seed: the same records? (HSDP is
+  FSDP's computation in the simulator.)"""
 
 from __future__ import annotations
 
@@ -20,8 +22,8 @@ matplotlib.use("Agg")  # files only
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from .paper_shape import beside_committed  # noqa: E402
 from .render import markdown  # noqa: E402
+from .runs_frame import beside_committed  # noqa: E402
 from .spec import Study  # noqa: E402
 
 
@@ -92,9 +94,32 @@ def reruns_section(df: pd.DataFrame, study: Study, out: Path, phase: str, of: st
     return [f"## Reruns of the {of} study's judging runs\n\nThe {phase} runs that repeat one: {found}.\n"]
 
 
+def identical_section(df: pd.DataFrame, study: Study, out: Path, phase: str, to: str) -> list[str]:
+    """Each of the phase's runs beside arm `to`'s run of its seed (and tuned value): are every
+    training loss and the eval loss the same (HSDP against FSDP: one computation in the simulator)."""
+    lines = []
+    key = study.tune.key if study.tune else None
+    for _, run in df[df["phase"] == phase].drop_duplicates("run").iterrows():
+        same = (df["arm"] == to) & (df["seed"] == run["seed"]) & (df["phase"] != phase)
+        if key in df.columns:
+            same &= df[key] == run[key]
+        if not same.any():
+            lines.append(f"{run['arm']} seed {run['seed']}: no {to} run of its seed to set it beside")
+            continue
+        other = df[same].iloc[0]
+        equal = other["loss"] == run["loss"] and other["eval_loss"] == run["eval_loss"]
+        what = "identical to" if equal else "DIFFER from"
+        lines.append(f"{run['arm']} seed {run['seed']}: every training loss and the eval loss {what} {to}'s")
+    return [f"## {phase}: the same records as {to}?\n", *[f"- {line}" for line in lines], ""]
+
+
 COLUMNS = {"noise_scale": block_and_noise}
 # each takes (df, study, out) and its spec arguments
-SECTIONS: dict[str, Callable[..., list[str]]] = {"noise_scale": noise_section, "reruns": reruns_section}
+SECTIONS: dict[str, Callable[..., list[str]]] = {
+    "noise_scale": noise_section,
+    "reruns": reruns_section,
+    "identical": identical_section,
+}
 
 
 def sections(df: pd.DataFrame, study: Study, out: Path) -> list[str]:

@@ -93,7 +93,7 @@ class Beside:
 
 
 # named pieces of a report a spec can ask for (analysis.pieces), each with the arguments it takes
-PIECES = {"noise_scale": (), "reruns": ("phase", "of", "metric")}
+PIECES = {"noise_scale": (), "reruns": ("phase", "of", "metric"), "identical": ("phase", "to")}
 
 
 @dataclass(frozen=True)
@@ -103,13 +103,28 @@ class Piece:
 
 
 @dataclass(frozen=True)
+class Tune:
+    """Each tuned arm's value of `key`, chosen from `phase`'s runs, where they sweep `grid` over its
+    seeds: the value with the lowest geometric-mean metric; where that is at an edge of the grid, one
+    more value past it (times or over `step`, to 3 digits) is run, once. An arm's override
+    `KEY=@ARM` takes ARM's chosen value (the paper-shape study: every arm's lr, and FSDP's as the
+    shared one)."""
+
+    phase: str
+    key: str
+    grid: tuple[float, ...]
+    step: float | None = None
+
+
+@dataclass(frozen=True)
 class Reduced:
     """CI's pipeline check: more overrides, fewer seeds: a phase's from `seeds` where it names the
-    phase, else 0..judging_seeds-1."""
+    phase, else 0..judging_seeds-1; `grid`: the tune phase's, where given."""
 
     overrides: tuple[str, ...]
     seeds: dict[str, tuple[int, ...]]
     judging_seeds: int
+    grid: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -126,6 +141,7 @@ class Study:
     seed_rule: SeedRule | None = None
     beside: tuple[Beside, ...] = ()
     pieces: tuple[Piece, ...] = ()
+    tune: Tune | None = None
     sha256: str = field(default="", compare=False)
 
     @property
@@ -163,7 +179,10 @@ def load(path: str | Path) -> Study:
     return Study(**{**study.__dict__, "sha256": hashlib.sha256(raw).hexdigest()})
 
 
-KEYS = {"name", "title", "train", "arms", "phases", "families", "target", "reduced", "seed_rule", "beside", "pieces"}
+KEYS = {
+    *("name", "title", "train", "arms", "phases", "families", "target", "reduced", "seed_rule", "beside"),
+    *("pieces", "tune"),
+}
 
 
 def _build(d: dict, directory: Path, problems: list[str]) -> Study | None:
@@ -185,6 +204,7 @@ def _build(d: dict, directory: Path, problems: list[str]) -> Study | None:
     reduced = _reduced(d.get("reduced"), names, problems)
     beside = tuple(_beside(b, families, problems) for b in _list(d, "beside", problems, True))
     pieces = tuple(_piece(p, names, problems) for p in _list(d, "pieces", problems, True))
+    tune = _tune(d.get("tune"), arms, phases, problems)
     target = d.get("target")
     if not isinstance(target, (int, float)) or not 0 < target < 1:
         problems.append(f"target: {target!r}; the half-width a verdict's interval should meet, e.g. 0.02 (+-2%)")
@@ -207,6 +227,7 @@ def _build(d: dict, directory: Path, problems: list[str]) -> Study | None:
         rule,
         beside,
         pieces,
+        tune,
     )
 
 
@@ -318,7 +339,36 @@ def _reduced(r, phases: list[str], problems: list[str]) -> Reduced:
         if phase not in phases:
             problems.append(f"reduced.seeds.{phase}: not a phase (the phases: {', '.join(phases)})")
         seeds[phase] = _seeds(v, f"reduced.seeds.{phase}", problems) or ()
-    return Reduced(tuple(_strings(r.get("overrides", []), "reduced.overrides", problems)), seeds, r["judging_seeds"])
+    grid = tuple(r.get("grid") or ())
+    if not all(isinstance(v, (int, float)) and v > 0 for v in grid):
+        problems.append(f"reduced.grid: {list(grid)!r}; positive numbers")
+    overrides = tuple(_strings(r.get("overrides", []), "reduced.overrides", problems))
+    return Reduced(overrides, seeds, r["judging_seeds"], tuple(float(v) for v in grid))
+
+
+def _tune(t, arms: dict, phases: tuple[Phase, ...], problems: list[str]) -> Tune | None:
+    """The tune block, and every `KEY=@ARM` override naming its key and a tuned arm."""
+    uses = [(a, o) for a, own in arms.items() for o in own if "=@" in o]
+    if t is None:
+        for a, o in uses:
+            problems.append(f"arms.{a}: '{o}' takes a tuned value, but the spec has no tune block")
+        return None
+    if not isinstance(t, dict) or set(t) - {"phase", "key", "grid", "step"}:
+        problems.append("tune: a mapping of phase, key, grid (and step)")
+        return None
+    phase = next((p for p in phases if p.name == t.get("phase")), None)
+    if phase is None:
+        problems.append(f"tune.phase: {t.get('phase')!r} is not a phase ({', '.join(p.name for p in phases)})")
+    grid = t.get("grid")
+    if not isinstance(grid, list) or len(grid) < 2 or not all(isinstance(v, (int, float)) and v > 0 for v in grid):
+        problems.append(f"tune.grid: {grid!r}; at least two positive numbers")
+        grid = []
+    tuned = set(phase.arms) if phase else set()
+    for a, o in uses:
+        key, _, of = o.partition("=@")
+        if key != t.get("key") or of not in tuned:
+            problems.append(f"arms.{a}: '{o}': a tuned value is `{t.get('key')}=@ARM`, ARM an arm of the tune phase")
+    return Tune(str(t.get("phase")), str(t.get("key")), tuple(map(float, grid)), t.get("step"))
 
 
 def _beside(b, families: tuple[Family, ...], problems: list[str]) -> Beside:

@@ -2,81 +2,69 @@
 seeds its rule asks for, and its families' verdicts (analysis.stats.judge or explore).
 
 A study's runs live in OUT/runs/PHASE/<the point's overrides>/ (analysis.study_run makes them): the
-directory says which phase made a run, and its overrides which arm (the arm's own, most specific). Every ratio pairs the two
-arms' runs seed by seed on the final eval perplexity, worse-in-the-paper on top."""
+directory says which phase made a run, and its overrides which arm (analysis.arms). Every ratio
+pairs the two arms' runs seed by seed on the final eval perplexity, worse-in-the-paper on top."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import NamedTuple
 
 import pandas as pd
 
-from .paper_shape import frame as shape_frame
+from .arms import METRIC, arms_of, choices, overrides_of, tuning
 from .pieces import COLUMNS
+from .runs_frame import frame as shape_frame
 from .science import paper_ratio
 from .spec import Comparison, Family, SeedRule, Study
 from .stats import Claim, Ratio, explore, judge, paired_ratio, seeds_for, size
 
-METRIC = "eval_perplexity"
 NO_PAPER = "n/a (no paper value)"
 
 
-def overrides_of(point: str) -> set[str]:
-    """The overrides a sweep point's directory name holds (fldp.sweep.point_dirname: sorted, joined
-    by commas, `/`, `#` and `%` escaped); commas inside brackets or braces belong to a value."""
-    name = point.replace("%2F", "/").replace("%23", "#").replace("%25", "%")
-    found, depth, start = set(), 0, 0
-    for i, ch in enumerate(name):
-        if ch in "[{":
-            depth += 1
-        elif ch in "]}":
-            depth -= 1
-        if ch == "," and depth == 0:
-            found.add(name[start:i])
-            start = i + 1
-    return found | {name[start:]}
-
-
-def arm_of(overrides: set[str], study: Study) -> str:
-    """The arm whose overrides the run has, the most specific where several match ("?": none). A
-    key the run has from the reduced pipeline's overrides (a reduced run: Hydra keeps the last value
-    of a key) does not count."""
-    replaced = {o.split("=", 1)[0] for o in study.reduced.overrides if o in overrides}
-    own = {a: {o for o in arm if o.split("=", 1)[0] not in replaced} for a, arm in study.arms.items()}
-    matching = [a for a in own if own[a] <= overrides]
-    return max(matching, key=lambda a: len(own[a]), default="?")
-
-
-def place(name: str, study: Study) -> tuple[str, str, str]:
-    """(phase, arm, run id) of a run directory OUT/runs/PHASE/<the point's overrides>: the last
-    phase in its path, the arm its overrides name, and the path from the phase on (unique in a
-    study, no machine's path in a committed file)."""
+def place(name: str, study: Study) -> tuple[str, set[str], str]:
+    """(phase, overrides, run id) of a run directory OUT/runs/PHASE/<the point's overrides>: the
+    last phase in its path, the overrides its name holds, and the path from the phase on (unique in
+    a study, no machine's path in a committed file)."""
     parts = Path(name).parts
     phases = {p.name for p in study.phases}
     at = max((i for i in range(len(parts) - 1) if parts[i] in phases), default=None)
     if at is None:
-        return "?", "?", parts[-1]
-    return parts[at], arm_of(overrides_of(parts[-1]), study), "/".join(parts[at:])
+        return "?", set(), parts[-1]
+    return parts[at], overrides_of(parts[-1]), "/".join(parts[at:])
 
 
-def frame(runs, study: Study) -> pd.DataFrame:
-    """The paper-shape study's one row per run (analysis.paper_shape.frame), with the phase, the
-    arm and the run id its directory gives, and the columns the spec's pieces read."""
-    df = shape_frame(runs)
-    placed = [place(run.name, study) for run in runs]
-    df["phase"] = [p for p, _, _ in placed]
-    df["run"] = [r for _, _, r in placed]
-    df.insert(2, "arm", [a for _, a, _ in placed])
-    for piece in study.pieces:  # the columns a named piece reads (analysis.pieces)
-        if piece.name in COLUMNS and runs:
-            df = df.join(pd.DataFrame([COLUMNS[piece.name](run) for run in runs], index=df.index))
-    return df
+def placed(df: pd.DataFrame, study: Study, overrides: list[set[str]]) -> pd.DataFrame:
+    """df with each row's arm (a row per arm where a run is several: analysis.arms): the tune
+    phase's first, then the others' with the values it chose."""
+    tune = study.tune
+    first = [arms_of(o, study, p, {})[0] if tune and p == tune.phase else "?" for o, p in zip(overrides, df["phase"])]
+    chosen, _ = choices(tuning(df.assign(arm=first), study), study)
+    df = df.assign(arm=[arms_of(o, study, p, chosen) for o, p in zip(overrides, df["phase"])])
+    df = df.explode("arm", ignore_index=True)
+    return df[["run", "phase", "arm", *[c for c in df.columns if c not in ("run", "phase", "arm")]]]
 
 
 def placed_arms(df: pd.DataFrame, study: Study) -> pd.DataFrame:
-    """df (e.g. read back from a report's runs.csv) with every row's arm from its run id."""
-    return df.assign(arm=[arm_of(overrides_of(Path(r).name), study) for r in df["run"]])
+    """df (e.g. read back from a report's runs.csv: one row per run) with every row's arm from its
+    run id."""
+    return placed(df.drop(columns=["arm"], errors="ignore"), study, [overrides_of(Path(r).name) for r in df["run"]])
+
+
+def frame(runs, study: Study) -> pd.DataFrame:
+    """One row per run (analysis.runs_frame.frame), with the phase, the
+    arm and the run id its directory gives, and the columns the spec's pieces read."""
+    df = shape_frame(runs)
+    where = [place(run.name, study) for run in runs]
+    df["phase"] = [p for p, _, _ in where]
+    df["run"] = [r for _, _, r in where]
+    if study.tune is not None:  # the tuned key's value, as the run's config holds it
+        df[study.tune.key] = [float(run.config.get(study.tune.key, math.nan)) for run in runs]
+    for piece in study.pieces:  # the columns a named piece reads (analysis.pieces)
+        if piece.name in COLUMNS and runs:
+            df = df.join(pd.DataFrame([COLUMNS[piece.name](run) for run in runs], index=df.index))
+    return placed(df, study, [o for _, o, _ in where])
 
 
 def arm(df: pd.DataFrame, name: str, phases: str | tuple[str, ...]) -> pd.Series:
@@ -152,6 +140,8 @@ def pilot(df: pd.DataFrame, study: Study, paper: dict) -> pd.DataFrame:
             continue
         for c in claims(df, study, family, paper, rule.phase):
             r = paired_ratio(c.a, c.b)
+            if r.seeds == 0:  # arms the rule's phase does not run (the paper-shape study's shared lr)
+                continue
             enough = r.seeds >= 2
             need = seeds_for(r.sd, rule.half_width) if enough and r.sd > 0 else (rule.min if enough else None)
             rows.append(
@@ -195,3 +185,20 @@ def decided_seeds(df: pd.DataFrame, study: Study, paper: dict) -> dict[str, int]
         return None
     need = pilot(df, study, paper)
     return judging_seeds(rule, need[need["family"] == rule.family]["seeds_needed"], seconds_per_run(df, rule.phase))
+
+
+class Decisions(NamedTuple):
+    """What the runs so far decide: the seed rule's seeds per arm (None: not yet), each tuned arm's
+    value, and the tune phase's one-value extensions still to run."""
+
+    seeds: dict[str, int] | None
+    chosen: dict[str, float]
+    extend: dict[str, float]
+
+
+NOTHING = Decisions(None, {}, {})
+
+
+def decide(df: pd.DataFrame, study: Study, paper: dict) -> Decisions:
+    chosen, extend = choices(tuning(df, study), study)
+    return Decisions(decided_seeds(df, study, paper), chosen, extend)

@@ -58,7 +58,7 @@ def write_report(study: Study, out: Path, allow_mixed: bool, command: str, banke
 
     from . import paper as paper_values
     from .discover import collect_for
-    from .paper_shape import banked as with_banked
+    from .runs_frame import banked as with_banked
     from .study import frame, placed_arms
     from .study_report import report
 
@@ -72,20 +72,20 @@ def write_report(study: Study, out: Path, allow_mixed: bool, command: str, banke
     elapsed_path = out / "elapsed_s"
     elapsed = float(elapsed_path.read_text()) if elapsed_path.exists() else None
     path = report(df, study, paper_values.load(), out / "report", command, elapsed, out / "runs")
-    print(f"{PROG}: {len(df)} runs, {len(problems)} skipped; wrote {path}")
+    print(f"{PROG}: {df['run'].nunique()} runs, {len(problems)} skipped; wrote {path}")
     return 1 if problems else 0
 
 
 def decider(study: Study):
-    """The seed rule on OUT's runs so far (None while its phase is incomplete)."""
+    """What OUT's runs so far decide (analysis.study.decide): seeds, tuned values, extensions."""
 
-    def decide(out: Path) -> dict[str, int] | None:
+    def decide(out: Path):
         from . import paper as paper_values
         from .discover import collect_for
-        from .study import decided_seeds, frame
+        from .study import NOTHING, decide, frame
 
         runs, _ = collect_for(PROG, [str(out / "runs")], allow_mixed=True) if (out / "runs").is_dir() else ([], [])
-        return decided_seeds(frame(runs, study), study, paper_values.load()) if runs else None
+        return decide(frame(runs, study), study, paper_values.load()) if runs else NOTHING
 
     return decide
 

@@ -13,9 +13,10 @@ matplotlib.use("Agg")  # files only
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from .paper_shape import changed, displayed, losses, plan_quote  # noqa: E402
+from .arms import choices, tuning  # noqa: E402
 from .pieces import sections  # noqa: E402
 from .render import markdown  # noqa: E402
+from .runs_frame import changed, displayed, losses, plan_quote  # noqa: E402
 from .spec import Study  # noqa: E402
 from .study import METRIC, arm, decided_seeds, findings, pilot, seconds_per_run  # noqa: E402
 from .study_run import STAMP  # noqa: E402
@@ -156,6 +157,24 @@ def verdicts(df: pd.DataFrame, study: Study, paper: dict, out: Path) -> list[str
     return [*parts, "![arms and ratios](figure.png)\n"]
 
 
+def tuning_section(df: pd.DataFrame, study: Study, out: Path) -> list[str]:
+    """The tune phase's table (tuning.csv), each arm's chosen value and any extension still to run."""
+    table = tuning(df, study)
+    if table.empty or study.tune is None:
+        return []
+    table.to_csv(out / "tuning.csv")
+    chosen, extend = choices(table, study)
+    tune = study.tune
+    return [
+        f"## {tune.key} ({tune.phase} seeds; geometric-mean {METRIC})\n",
+        markdown(table.round(1).reset_index()),
+        "\nChosen: "
+        + ", ".join(f"{a} {v:g}" for a, v in chosen.items())
+        + (f"; still at a grid edge, one value past it to run: {', '.join(extend)}" if extend else "")
+        + "\n",
+    ]
+
+
 def spec_line(study: Study, runs_dir: Path) -> str:
     stamp = runs_dir.parent / STAMP
     then = json.loads(stamp.read_text())["sha256"] if stamp.exists() else None
@@ -169,13 +188,16 @@ def report(
     df: pd.DataFrame, study: Study, paper: dict, out: Path, command: str, elapsed: float | None, runs_dir: Path
 ) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    df.drop(columns=["step", "loss"]).sort_values(["phase", "arm", "seed"]).to_csv(out / "runs.csv", index=False)
-    losses(df, out)
+    # a run that is several arms (analysis.arms) is one row, its arms joined by "+"
+    runs = df.assign(arm=df.groupby("run")["arm"].transform("+".join)).drop_duplicates("run")
+    runs.drop(columns=["step", "loss"]).sort_values(["phase", "arm", "seed"]).to_csv(out / "runs.csv", index=False)
+    losses(runs, out)
     parts = [
         f"# {study.title}\n\n`{command}`"
         + (f"; runs took {elapsed / 60:.1f} min" if elapsed else "")
-        + f". {len(df)} runs: one row each in runs.csv, every step's training loss in losses.csv.gz.\n",
+        + f". {len(runs)} runs: one row each in runs.csv, every step's training loss in losses.csv.gz.\n",
         spec_line(study, runs_dir),
+        *tuning_section(df, study, out),
         *pilot_section(df, study, paper, out),
         *sections(df, study, out),
     ]

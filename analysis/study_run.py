@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from .arms import arms_of, overrides_of, resolved, shown
 from .spec import Phase, Study
 
 STAMP = "study.json"
@@ -29,18 +30,22 @@ def phase_seeds(
         return dict.fromkeys(phase.arms, list(phase.seeds))
     if decided is None:
         return None
-    return {a: list(range(decided[a])) for a in phase.arms}
+    # an arm the rule's phase did not run (the paper-shape study's shared-lr arms): the most any arm has
+    return {a: list(range(decided.get(a, max(decided.values())))) for a in phase.arms}
 
 
-def batches(study: Study, phase: Phase, seeds: dict[str, list[int]]) -> list[tuple[list[str], list[int]]]:
-    """The phase's arms as few multiruns as Hydra's sweep syntax allows: arms with the same seeds
-    and the same overrides but `algorithm=` in one, `algorithm=a,b,...` (a Python start each costs
-    seconds). Each (overrides, seeds), in the spec's order."""
+def batches(arms: dict[str, list[str]], phase: Phase, seeds: dict[str, list[int]]) -> list[tuple[list[str], list[int]]]:
+    """The phase's arms (`arms`: each one's overrides) as few multiruns as Hydra's sweep syntax
+    allows: arms with the same seeds and the same overrides but `algorithm=` in one,
+    `algorithm=a,b,...` (a Python start each costs seconds). Each (overrides, seeds), in the spec's
+    order."""
     grouped: dict[tuple, list[str]] = {}
     for arm in phase.arms:
-        rest = tuple(o for o in study.arms[arm] if not o.startswith("algorithm="))
+        rest = tuple(o for o in arms[arm] if not o.startswith("algorithm="))
         algorithms = grouped.setdefault((rest, tuple(seeds[arm])), [])
-        algorithms += [o.split("=", 1)[1] for o in study.arms[arm] if o.startswith("algorithm=")]
+        for o in arms[arm]:  # two arms with the same overrides (agreeing tuned values) run once
+            if o.startswith("algorithm=") and o.split("=", 1)[1] not in algorithms:
+                algorithms.append(o.split("=", 1)[1])
     return [
         ([*([f"algorithm={','.join(algorithms)}"] if algorithms else []), *rest], list(arm_seeds))
         for (rest, arm_seeds), algorithms in grouped.items()
@@ -87,29 +92,64 @@ def elapsed(out: Path, seconds: float) -> float:
     return total
 
 
+def tune_arms(study: Study, phase: Phase, reduced: bool, extend: dict[str, float] | None) -> dict[str, list[str]]:
+    """The tune phase's arms swept over the grid (the reduced one where given), or over `extend`:
+    each arm's one value past its grid's edge (arms without one are left out)."""
+    tune = study.tune
+    assert tune is not None
+    grid = study.reduced.grid if reduced and study.reduced.grid else tune.grid
+    own = resolved(study, phase.name, {})
+    if extend is None:
+        return {a: [*own[a], f"{tune.key}={','.join(map(shown, grid))}"] for a in phase.arms}
+    return {a: [*own[a], f"{tune.key}={shown(v)}"] for a, v in extend.items()}
+
+
+def run_phase(study: Study, out: Path, phase: Phase, arms: dict, seeds: dict, extra: list[str], start: float) -> int:
+    """The phase's multiruns of `arms` (each arm's overrides); 0 when every one succeeded."""
+    status = 0
+    for overrides, batch_seeds in batches(arms, Phase(phase.name, tuple(arms), None), seeds):
+        print(
+            f"{study.name}: {phase.name} {' '.join(overrides)} seed={','.join(map(str, batch_seeds))} "
+            f"({time.monotonic() - start:.0f} s so far)",
+            flush=True,
+        )
+        every = [*phase.overrides, *extra]
+        status |= subprocess.run(command(study, out, phase.name, overrides, batch_seeds, every)).returncode != 0
+    return status
+
+
 def run(study: Study, out: Path, reduced: bool, until: str | None, overrides: list[str], decide) -> int:
-    """Every phase up to `until`; `decide(out)`: the seed rule's seeds per arm from the runs so far
-    (analysis.study.decided_seeds on them), or None. 0 when every multirun succeeded."""
+    """Every phase up to `until`; `decide(out)`: what the runs so far decide (analysis.study.decide:
+    the seed rule's seeds, the tuned values and the grid's extensions). 0 when every multirun
+    succeeded."""
     start, status = time.monotonic(), 0
     extra = [*(study.reduced.overrides if reduced else ()), *overrides]
+    tune = study.tune.phase if study.tune else None
     for phase in study.phases:
         if not phase.run:
             print(f"{study.name}: {phase.name}: kept as it ran, not run again (the spec: run: false)")
             continue
-        needs_rule = phase.seeds is None and not reduced
-        seeds = phase_seeds(study, phase, reduced, decide(out) if needs_rule else None)
-        if seeds is None:
-            print(f"{study.name}: {phase.name}: no seeds yet (the seed rule's phase is incomplete)", file=sys.stderr)
-            return 1
-        for overrides, batch_seeds in batches(study, phase, seeds):
-            shown = " ".join(overrides)
-            print(
-                f"{study.name}: {phase.name} {shown} seed={','.join(map(str, batch_seeds))} "
-                f"({time.monotonic() - start:.0f} s so far)",
-                flush=True,
+        decided = decide(out)
+        seeds = phase_seeds(study, phase, reduced, decided.seeds)
+        arms = (
+            tune_arms(study, phase, reduced, None)
+            if phase.name == tune
+            else resolved(study, phase.name, decided.chosen)
+        )
+        missing = [a for a in phase.arms if a not in arms]
+        if seeds is None or missing:
+            why = (
+                "the seed rule's phase is incomplete"
+                if seeds is None
+                else f"no tuned value yet for {', '.join(missing)}"
             )
-            every = [*phase.overrides, *extra]
-            status |= subprocess.run(command(study, out, phase.name, overrides, batch_seeds, every)).returncode != 0
+            print(f"{study.name}: {phase.name}: nothing run ({why})", file=sys.stderr)
+            return 1
+        status |= run_phase(study, out, phase, arms, seeds, extra, start)
+        if phase.name == tune and decide(out).extend:  # the best at a grid's edge: one value past it, once
+            status |= run_phase(
+                study, out, phase, tune_arms(study, phase, reduced, decide(out).extend), seeds, extra, start
+            )
         if phase.name == until:
             break
     total = elapsed(out, time.monotonic() - start)
@@ -117,26 +157,24 @@ def run(study: Study, out: Path, reduced: bool, until: str | None, overrides: li
     return int(status)
 
 
-def finished_seeds(out: Path, phase: str, study: Study) -> dict[str, dict[int, float]]:
+def finished_seeds(out: Path, phase: str, study: Study, chosen: dict[str, float]) -> dict[str, dict[int, float]]:
     """Per arm, the seeds of its finished runs in a phase (summary.json: written last), each run's
     training time."""
-    from .study import arm_of, overrides_of
-
     found: dict[str, dict[int, float]] = {}
     for summary in sorted((out / "runs" / phase).glob("*/summary.json")):
         s = json.loads(summary.read_text())
-        arm = arm_of(overrides_of(summary.parent.name), study)
-        found.setdefault(arm, {})[int(s["seed"])] = float(s.get("train_time_s", 0.0))
+        for arm in arms_of(overrides_of(summary.parent.name), study, phase, chosen):
+            found.setdefault(arm, {})[int(s["seed"])] = float(s.get("train_time_s", 0.0))
     return found
 
 
-def status_lines(study: Study, out: Path, reduced: bool, decided: dict[str, int] | None) -> list[str]:
+def status_lines(study: Study, out: Path, reduced: bool, decided) -> list[str]:
     """Per phase and arm: the runs finished of those the phase asks for, and a time estimate for
-    what is left from the arm's own runs so far."""
+    what is left from the arm's own runs so far (`decided`: analysis.study.decide on them)."""
     lines, left_s = [], 0.0
     for phase in study.phases:
-        seeds = phase_seeds(study, phase, reduced, decided)
-        finished = finished_seeds(out, phase.name, study)
+        seeds = phase_seeds(study, phase, reduced, decided.seeds)
+        finished = finished_seeds(out, phase.name, study, decided.chosen)
         for arm in phase.arms:
             done = finished.get(arm, {})
             if not phase.run:

@@ -4,6 +4,7 @@ seed rule and its budget, a report made again from an earlier one's numbers, and
 before anything runs. A spec's pipeline end to end is CI's reduced run (`fldp-study run SPEC
 --reduced`, .ci/run)."""
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -14,9 +15,10 @@ import pytest
 import yaml
 
 from analysis import paper
-from analysis.paper_shape import banked, changed, losses
+from analysis.arms import arms_of, overrides_of
+from analysis.runs_frame import banked, changed, losses
 from analysis.spec import SeedRule, SpecError, load
-from analysis.study import arm_of, findings, judging_seeds, overrides_of, pilot
+from analysis.study import findings, judging_seeds, pilot, placed_arms
 
 ROOT = Path(__file__).resolve().parents[1]
 PRECISION = ROOT / "experiments" / "precision"
@@ -26,15 +28,13 @@ FLDP_STUDY = str(Path(sys.executable).parent / "fldp-study")  # the installed co
 
 def committed_precision_runs(study) -> pd.DataFrame:
     """results/runs.csv of the precision study, each run's arm from its run id's overrides."""
-    df = pd.read_csv(PRECISION / "results" / "runs.csv")
-    df["arm"] = [arm_of(overrides_of(run.split("/")[-1]), study) for run in df["run"]]
-    return df
+    return placed_arms(pd.read_csv(PRECISION / "results" / "runs.csv"), study)
 
 
 def assert_same_table(new: pd.DataFrame, old: pd.DataFrame, but: tuple[str, ...] = ()) -> None:
     """Every column of `old` but those named: numbers to 1e-9, the rest as text."""
-    new = new.reset_index(drop=True)
-    assert {c for c in new.columns if c in old.columns} == {c for c in old.columns if c not in but}
+    new, old = new.reset_index(drop=True), old.reset_index(drop=True)
+    assert {c for c in new.columns if c in old.columns and c not in but} == {c for c in old.columns if c not in but}
     for column in (c for c in old.columns if c not in but):
         if old[column].dtype.kind == "f":
             np.testing.assert_allclose(new[column].to_numpy(float), old[column].to_numpy(float), rtol=0, atol=1e-9)
@@ -262,15 +262,15 @@ def test_the_example_spec_in_the_docs_is_a_valid_spec(tmp_path):
 def test_a_run_directorys_overrides_name_its_arm_the_most_specific_one():
     study = load(PRECISION)
     point = "+experiment=precision,algorithm.outer.reduce_dtype=fp32,algorithm=fl_hsdp,fsdp.reduce_dtype=fp32,seed=3"
-    assert arm_of(overrides_of(point), study) == "fl_hsdp-fp32r"
-    assert arm_of(overrides_of("+experiment=precision,algorithm=fl_hsdp,seed=3"), study) == "fl_hsdp"
+    assert arms_of(overrides_of(point), study, "judge", {}) == ["fl_hsdp-fp32r"]
+    assert arms_of(overrides_of("+experiment=precision,algorithm=fl_hsdp,seed=3"), study, "judge", {}) == ["fl_hsdp"]
     listed = "algorithm=hsdp,seed=0,topology.network=[{tier:node,ranks:4},{tier:x,ranks:8}]"
     assert overrides_of(listed) == {
         "algorithm=hsdp",
         "seed=0",
         "topology.network=[{tier:node,ranks:4},{tier:x,ranks:8}]",
     }
-    assert arm_of(overrides_of("algorithm=diloco,seed=0"), study) == "?"
+    assert arms_of(overrides_of("algorithm=diloco,seed=0"), study, "judge", {}) == ["?"]
 
 
 def test_every_piece_a_spec_may_name_is_a_section_taking_the_arguments_the_spec_checks():
@@ -282,3 +282,109 @@ def test_every_piece_a_spec_may_name_is_a_section_taking_the_arguments_the_spec_
     assert set(PIECES) == set(SECTIONS)
     for name, args in PIECES.items():
         assert tuple(inspect.signature(SECTIONS[name]).parameters)[3:] == args, name
+
+
+PAPER_SHAPE = ROOT / "experiments" / "paper_shape"
+
+
+def paper_shape_runs() -> pd.DataFrame:
+    """results/runs.csv of the paper-shape study (its module's: no run ids), each run's id as its
+    runner named its directory, from its phase, algorithm, lr and seed."""
+    df = pd.read_csv(PAPER_SHAPE / "results" / "runs.csv")
+    df["run"] = [
+        f"{p}/algorithm={a},optimizer.lr={lr:g},seed={s}"
+        for p, a, lr, s in df[["phase", "algorithm", "lr", "seed"]].itertuples(index=False)
+    ]
+    return df.assign(**{"optimizer.lr": df["lr"]})
+
+
+def test_the_paper_shape_spec_finds_the_committed_lrs_pilot_and_verdicts_from_the_committed_runs():
+    """The tune phase's table and choices, the pilot's SDs and the two families (each arm's chosen lr;
+    FSDP's for all), as analysis/paper_shape.py committed them (its pilot had HSDP's row apart, before
+    the plan's amendment 3; the spec's pilot is the family's three)."""
+    from analysis.arms import choices, tuning
+    from analysis.study import decide, placed_arms
+
+    study, values = load(PAPER_SHAPE), paper.load()
+    df = placed_arms(paper_shape_runs(), study)
+    table = tuning(df, study)
+    committed = pd.read_csv(PAPER_SHAPE / "results" / "tuning.csv", index_col=0)
+    np.testing.assert_allclose(table.to_numpy(), committed.to_numpy(), rtol=0, atol=1e-9)
+    assert choices(table, study) == ({"fl_fsdp": 0.01, "fl_hsdp": 0.01, "fsdp": 0.01}, {})
+    assert decide(df, study, values).seeds == {"fl_fsdp": 20, "fl_hsdp": 20, "fsdp": 20}  # amendment 1: at most 20
+    # where the chosen lrs agree, the shared-lr arms are the chosen arms' runs
+    assert set(df[df["run"] == "judge/algorithm=fl_fsdp,optimizer.lr=0.01,seed=3"]["arm"]) == {
+        "fl_fsdp",
+        "fl_fsdp-shared",
+    }
+    old_pilot = pd.read_csv(PAPER_SHAPE / "results" / "pilot.csv").iloc[1:]  # FSDP's, FL+FSDP's, FL+FSDP / FL+HSDP
+    assert_same_table(pilot(df, study, values), old_pilot, but=("claim",))
+    new = findings(df, study, values).rename(
+        columns={"family": "setting", "paper_also": "paper_hsdp", "size_also": "size_hsdp"}
+    )
+    old = pd.read_csv(PAPER_SHAPE / "results" / "findings.csv")
+    assert_same_table(new.fillna({"size_hsdp": ""}), old.fillna({"size_hsdp": ""}), but=("setting",))
+
+
+def test_the_tune_rule_extends_a_grid_edge_once_and_arms_take_the_chosen_values():
+    from analysis.arms import arms_of, choices, resolved, tuning
+
+    study = load(PAPER_SHAPE)
+    rows = [
+        {
+            "phase": "tune",
+            "arm": a,
+            "seed": s,
+            "optimizer.lr": lr,
+            "eval_perplexity": 100 * (1 + abs(math.log10(lr) + (1 if a == "fsdp" else 2))) + s,
+        }
+        for a in ("fsdp", "fl_fsdp", "fl_hsdp")
+        for s in (100, 101)
+        for lr in (1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
+    ]
+    chosen, extend = choices(tuning(pd.DataFrame(rows), study), study)
+    assert chosen == {"fl_fsdp": 1e-2, "fl_hsdp": 1e-2, "fsdp": 0.1} and extend == {"fsdp": 0.316}  # past the top
+    rows += [{**rows[0], "optimizer.lr": 0.316, "eval_perplexity": 90.0, "seed": s} for s in (100, 101)]
+    chosen, extend = choices(tuning(pd.DataFrame(rows), study), study)
+    assert chosen["fsdp"] == 0.316 and extend == {}  # extended once, never again
+    arms = resolved(study, "judge", chosen)
+    assert arms["fl_hsdp-shared"] == ["algorithm=fl_hsdp", "optimizer.lr=0.316"]  # FSDP's lr
+    assert arms_of({"algorithm=fl_hsdp", "optimizer.lr=1e-2", "seed=0"}, study, "judge", chosen) == ["fl_hsdp"]
+    assert arms_of({"algorithm=fl_hsdp", "optimizer.lr=0.316", "seed=0"}, study, "judge", chosen) == ["fl_hsdp-shared"]
+    assert arms_of({"algorithm=fsdp", "optimizer.lr=0.003", "seed=100"}, study, "tune", {}) == ["fsdp"]
+
+
+def test_a_run_that_is_two_arms_is_one_row_of_runs_csv_and_its_losses_once(tmp_path):
+    """The report's runs.csv and losses.csv.gz: one row per run (two arms joined by "+": the
+    paper-shape study's fl_fsdp and fl_fsdp-shared where the lrs agree), every step of every run
+    once, keyed by the run's directory from its phase on (no machine path)."""
+    from analysis.records import Run
+    from analysis.study import frame
+    from analysis.study_report import report
+
+    study, steps, made = load(PAPER_SHAPE), 4, []
+    points = [("tune", a, 100, lr) for a in ("fsdp", "fl_fsdp", "fl_hsdp") for lr in (1e-2, 3e-2)]
+    points += [("judge", a, s, 1e-2) for a in ("fsdp", "fl_fsdp", "fl_hsdp") for s in (0, 1)]
+    for phase, a, seed, lr in points:
+        summary = {
+            "algorithm": a, "seed": seed, "precision": "fp32", "federation": 1, "replicate": 1, "shard": 4,
+            "batch_size": 2, "steps": steps, "eval_loss": 6.0 + seed / 1000 + (lr == 3e-2) + len(a) / 100,
+            "eval_perplexity": math.exp(6.0 + seed / 1000 + (lr == 3e-2) + len(a) / 100), "train_time_s": 1.0,
+        }  # fmt: skip
+        losses_ = pd.DataFrame({"step": range(1, steps + 1), "loss": [8.0 - i / 7 - seed / 1000 for i in range(steps)]})
+        made.append(
+            Run(
+                f"/machine/out/runs/{phase}/algorithm={a},optimizer.lr={lr:g},seed={seed}",
+                summary,
+                losses_,
+                {"optimizer.lr": lr},
+            )
+        )
+    df = frame(made, study)
+    assert len(df) == len(made) + 4  # judge: fl_fsdp and fl_hsdp are their shared-lr arms too, at FSDP's 1e-2
+    report(df, study, paper.load(), tmp_path, "test", None, tmp_path / "runs")
+    got = pd.read_csv(tmp_path / "losses.csv.gz")
+    assert len(got) == steps * len(made) and got["run"].nunique() == len(made)
+    assert not got["run"].str.startswith("/").any()
+    runs_csv = pd.read_csv(tmp_path / "runs.csv")
+    assert len(runs_csv) == len(made) and "fl_fsdp+fl_fsdp-shared" in set(runs_csv["arm"])
