@@ -22,6 +22,7 @@ matplotlib.use("Agg")  # files only
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from .arms import geometric_mean  # noqa: E402
 from .render import markdown  # noqa: E402
 from .runs_frame import beside_committed  # noqa: E402
 from .spec import Study  # noqa: E402
@@ -44,7 +45,7 @@ def noise_table(df: pd.DataFrame) -> pd.DataFrame:
         .agg(
             steps=("steps", "first"),
             runs=("b_simple", "size"),
-            b_simple_sequences=("b_simple", lambda v: math.exp(v.map(math.log).mean())),
+            b_simple_sequences=("b_simple", geometric_mean),
             tokens_per_group_step=("tokens_per_group_step", "first"),
         )
         .reset_index()

@@ -144,7 +144,7 @@ def family_section(table: pd.DataFrame, study: Study, family) -> list[str]:
 def verdicts(df: pd.DataFrame, study: Study, paper: dict, out: Path) -> list[str]:
     """The verdicts section, a table per family with its phase's runs; writes findings.csv and
     figure.png."""
-    shown = [f for f in study.families if all((df["phase"] == p).any() for p in f.phases)]
+    shown = [f for f in study.families if has_run(df, f)]
     table = findings(df, study, paper, shown)
     table.to_csv(out / "findings.csv", index=False)
     figure(df, table, study, out)
@@ -155,6 +155,11 @@ def verdicts(df: pd.DataFrame, study: Study, paper: dict, out: Path) -> list[str
     if waiting:
         parts.append(f"Not yet: {'; '.join(waiting)}: a phase of each has no finished run.\n")
     return [*parts, "![arms and ratios](figure.png)\n"]
+
+
+def has_run(df: pd.DataFrame, family) -> bool:
+    """Every phase the family reads has a finished run."""
+    return all((df["phase"] == p).any() for p in family.phases)
 
 
 def tuning_section(df: pd.DataFrame, study: Study, out: Path) -> list[str]:
@@ -201,7 +206,7 @@ def report(
         *pilot_section(df, study, paper, out),
         *sections(df, study, out),
     ]
-    if any(all((df["phase"] == p).any() for p in f.phases) for f in study.families):
+    if any(has_run(df, f) for f in study.families):
         parts += verdicts(df, study, paper, out)
     parts.append(plan_quote(study.plan))
     path = out / "report.md"

@@ -146,10 +146,9 @@ def run(study: Study, out: Path, reduced: bool, until: str | None, overrides: li
             print(f"{study.name}: {phase.name}: nothing run ({why})", file=sys.stderr)
             return 1
         status |= run_phase(study, out, phase, arms, seeds, extra, start)
-        if phase.name == tune and decide(out).extend:  # the best at a grid's edge: one value past it, once
-            status |= run_phase(
-                study, out, phase, tune_arms(study, phase, reduced, decide(out).extend), seeds, extra, start
-            )
+        extend = decide(out).extend if phase.name == tune else {}  # the grid's runs read once
+        if extend:  # the best at a grid's edge: one value past it, once
+            status |= run_phase(study, out, phase, tune_arms(study, phase, reduced, extend), seeds, extra, start)
         if phase.name == until:
             break
     total = elapsed(out, time.monotonic() - start)
