@@ -338,6 +338,9 @@ class DatasetConfig:
     train_blocks: int | None = setting(Int(ge=1, null=True), "null: every full block of the split")
     eval_blocks: int | None = setting(Int(ge=1, null=True), "held-out blocks; null: every full block")
     cache_dir: str = setting(Text(), "where tokenised blocks are cached")
+    max_passes: float | None = setting(
+        Num(gt=0, null=True), "the most passes a run may make over the training blocks; null: any (logged)", None
+    )
 
 
 @dataclass(frozen=True)

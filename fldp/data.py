@@ -131,9 +131,13 @@ def is_glob(path: str) -> bool:
 
 
 def _check_data_files(data_cfg) -> None:
+    from .corpus import CORPORA  # a corpus built by fldp-corpus: say how to build it
+
     for split, path in (data_cfg.data_files or {}).items():
         if not is_url(str(path)) and not is_glob(str(path)) and not Path(path).exists():
-            raise ConfigError(f"dataset.data_files.{split}={path}: no such file")
+            build = f"fldp-corpus {data_cfg.name} --out {Path(path).parent}" if data_cfg.name in CORPORA else None
+            fix = f"; build it with `{build}`" if build else ""
+            raise ConfigError(f"dataset.data_files.{split}={path}: no such file{fix}")
 
 
 def local_files(path: str) -> list[Path]:

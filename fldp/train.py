@@ -154,8 +154,28 @@ def check_vocab(cfg, blocks) -> None:
         )
 
 
+def check_passes(cfg, blocks, world: int) -> None:
+    """A run never cycles its data unless dataset.max_passes allows it; where it does, it says so."""
+    d, steps = cfg.dataset, cfg.trainer.steps
+    if not steps:  # null: one pass
+        return
+    asked, have = steps * world * cfg.trainer.batch_size, len(blocks.train)
+    passes = asked / have
+    tokens = f"{asked:,} blocks of {d.block_size} tokens ({asked * d.block_size / 1e6:.2f} M tokens)"
+    if d.get("max_passes") is not None and passes > d.max_passes:
+        raise ConfigError(
+            f"dataset.max_passes={d.max_passes}: trainer.steps={steps} x {world * cfg.trainer.batch_size} sequences "
+            f"a step ask for {tokens}, {passes:.2f} passes over {d.name}'s {have:,} training blocks; "
+            f"lower trainer.steps to at most {int(d.max_passes * have) // (world * cfg.trainer.batch_size)} "
+            "or raise dataset.max_passes"
+        )
+    if passes > 1:
+        log.warning("the run makes %.2f passes over %s's training blocks: %s", passes, d.name, tokens)
+
+
 def check_blocks(cfg, blocks, world: int) -> None:
     """One batch per rank in each split, or the workers would fail on it (trainer.total_steps, evaluate)."""
+    check_passes(cfg, blocks, world)
     d, batch = cfg.dataset, cfg.trainer.batch_size
     for split, n, key in (
         ("training", len(blocks.train), "train_blocks"),

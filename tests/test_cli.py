@@ -101,6 +101,10 @@ BAD = [
     (["dataset.data_files.train=/nonexistent/train.jsonl"], "dataset.data_files.train=/nonexistent"),
     (["dataset.tokenizer=/nonexistent/tokenizer"], "dataset.tokenizer=/nonexistent"),
     (["model.vocab_size=1000"], "model.vocab_size=1000"),
+    # data that never repeats: more steps than one pass is refused with the numbers, not cycled
+    (["dataset.max_passes=1", "trainer.steps=100000"], "dataset.max_passes=1: trainer.steps=100000"),
+    # a corpus fldp-corpus builds, not built yet: the command that builds it, where the run reads it
+    (["dataset=english_pd", "dataset.cache_dir=/nonexistent"], "fldp-corpus english_pd --out /nonexistent/corpora"),
 ]
 
 
