@@ -59,7 +59,7 @@ def resolved(study: Study, phase: str, chosen: dict[str, float]) -> dict[str, li
         overrides = []
         for o in own:
             key, _, of = o.partition("=@")
-            if of and tune is not None and phase == tune.phase:
+            if of and tune is not None and phase in tune.phases:
                 continue
             if of and of not in chosen:
                 break
@@ -92,7 +92,7 @@ def tuning(df: pd.DataFrame, study: Study) -> pd.DataFrame:
     tune = study.tune
     if tune is None or tune.key not in df.columns:
         return pd.DataFrame()
-    runs = df[df["phase"] == tune.phase]
+    runs = df[df["phase"].isin(tune.phases)]
     return runs.groupby(["arm", tune.key])[METRIC].apply(geometric_mean).unstack(tune.key)
 
 
@@ -117,3 +117,14 @@ def choices(table: pd.DataFrame, study: Study) -> tuple[dict[str, float], dict[s
             elif best == grid[-1]:
                 extend[arm] = float(f"{best * tune.step:.3g}")
     return chosen, extend
+
+
+def arm(df: pd.DataFrame, name: str, phases: str | tuple[str, ...]) -> pd.Series:
+    """An arm's metric by seed in a phase (or in any of several)."""
+    sel = df[df["phase"].isin([phases] if isinstance(phases, str) else phases) & (df["arm"] == name)]
+    return sel.drop_duplicates("seed").set_index("seed")[METRIC]
+
+
+def algorithm_of(study: Study, name: str) -> str:
+    """The algorithm an arm runs: its `algorithm=` override (the paper's values are per algorithm)."""
+    return next((o.split("=", 1)[1] for o in study.arms[name] if o.startswith("algorithm=")), name)

@@ -33,6 +33,9 @@ def frame(runs) -> pd.DataFrame:
                 "eval_loss": s["eval_loss"],
                 "eval_perplexity": s["eval_perplexity"],
                 "train_time_s": s["train_time_s"],
+                "model": s.get("model", ""),
+                "params": s.get("params"),  # absent from runs made before the model-size ladder
+                "params_non_embedding": s.get("params_non_embedding"),
                 "executor": s.get("executor", ""),
                 "commit": s.get("commit", ""),
                 "step": list(run.steps["step"]),

@@ -31,6 +31,7 @@ import seaborn as sns  # noqa: E402
 from . import paper as paper_values  # noqa: E402
 from .claims import PPL_FINDINGS  # noqa: E402  (the primary family)
 from .discover import collect_for, reports_parser  # noqa: E402
+from .paper import paper_ratio  # noqa: E402
 from .records import Run  # noqa: E402
 from .render import markdown  # noqa: E402
 from .stats import LEVEL, MIN_SEEDS, TIE_HIGH, TIE_LOW, Claim, Ratio, explore, judge, mean_interval, paired_ratio  # noqa: E402
@@ -163,13 +164,6 @@ def best_lrs(st: Study) -> dict[str, float]:
             logs = d.groupby("lr")["eval_perplexity"].apply(lambda v: v.map(math.log).mean())
             best[algo] = float(logs.idxmin())
     return best
-
-
-def paper_ratio(paper: dict, num: str, den: str, metric: str = "eval_perplexity") -> float:
-    """num / den in the paper's Table 3."""
-    t3 = paper["table3"]
-    col = t3["columns"].index(metric)
-    return t3["rows"][num][col] / t3["rows"][den][col]
 
 
 def _claim_name(num: str, den: str) -> str:

@@ -93,7 +93,12 @@ class Beside:
 
 
 # named pieces of a report a spec can ask for (analysis.pieces), each with the arguments it takes
-PIECES = {"noise_scale": (), "reruns": ("phase", "of", "metric"), "identical": ("phase", "to")}
+PIECES = {
+    "noise_scale": (),
+    "reruns": ("phase", "of", "metric"),
+    "identical": ("phase", "to"),
+    "slope": ("phases", "rungs", "primary", "secondary", "at"),
+}
 
 
 @dataclass(frozen=True)
@@ -104,13 +109,14 @@ class Piece:
 
 @dataclass(frozen=True)
 class Tune:
-    """Each tuned arm's value of `key`, chosen from `phase`'s runs, where they sweep `grid` over its
-    seeds: the value with the lowest geometric-mean metric; where that is at an edge of the grid, one
-    more value past it (times or over `step`, to 3 digits) is run, once. An arm's override
-    `KEY=@ARM` takes ARM's chosen value (the paper-shape study: every arm's lr, and FSDP's as the
-    shared one)."""
+    """Each tuned arm's value of `key`, chosen from its runs in `phases` (one, or several where the
+    arms are tuned at different times: the model-size ladder, a rung at a time), where they sweep
+    `grid` over the phase's seeds: the value with the lowest geometric-mean metric; where that is at
+    an edge of the grid, one more value past it (times or over `step`, to 3 digits) is run, once. An
+    arm's override `KEY=@ARM` takes ARM's chosen value (the paper-shape study: every arm's lr, and
+    FSDP's as the shared one)."""
 
-    phase: str
+    phases: tuple[str, ...]
     key: str
     grid: tuple[float, ...]
     step: float | None = None
@@ -119,12 +125,14 @@ class Tune:
 @dataclass(frozen=True)
 class Reduced:
     """CI's pipeline check: more overrides, fewer seeds: a phase's from `seeds` where it names the
-    phase, else 0..judging_seeds-1; `grid`: the tune phase's, where given."""
+    phase, else 0..judging_seeds-1; `grid`: the tune phase's, where given; `until`: the last phase it
+    runs (the model-size ladder's: its two small rungs), else every one."""
 
     overrides: tuple[str, ...]
     seeds: dict[str, tuple[int, ...]]
     judging_seeds: int
     grid: tuple[float, ...] = ()
+    until: str | None = None
 
 
 @dataclass(frozen=True)
@@ -204,6 +212,8 @@ def _build(d: dict, directory: Path, problems: list[str]) -> Study | None:
     reduced = _reduced(d.get("reduced"), names, problems)
     beside = tuple(_beside(b, families, problems) for b in _list(d, "beside", problems, True))
     pieces = tuple(_piece(p, names, problems) for p in _list(d, "pieces", problems, True))
+    for piece in (p for p in pieces if p.name == "slope"):
+        _slope(piece.args, arms, names, problems)
     tune = _tune(d.get("tune"), arms, phases, problems)
     target = d.get("target")
     if not isinstance(target, (int, float)) or not 0 < target < 1:
@@ -343,7 +353,9 @@ def _reduced(r, phases: list[str], problems: list[str]) -> Reduced:
     if not all(isinstance(v, (int, float)) and v > 0 for v in grid):
         problems.append(f"reduced.grid: {list(grid)!r}; positive numbers")
     overrides = tuple(_strings(r.get("overrides", []), "reduced.overrides", problems))
-    return Reduced(overrides, seeds, r["judging_seeds"], tuple(float(v) for v in grid))
+    if r.get("until") is not None and r["until"] not in phases:
+        problems.append(f"reduced.until: {r['until']!r} is not a phase (the phases: {', '.join(phases)})")
+    return Reduced(overrides, seeds, r["judging_seeds"], tuple(float(v) for v in grid), r.get("until"))
 
 
 def _tune(t, arms: dict, phases: tuple[Phase, ...], problems: list[str]) -> Tune | None:
@@ -356,19 +368,21 @@ def _tune(t, arms: dict, phases: tuple[Phase, ...], problems: list[str]) -> Tune
     if not isinstance(t, dict) or set(t) - {"phase", "key", "grid", "step"}:
         problems.append("tune: a mapping of phase, key, grid (and step)")
         return None
-    phase = next((p for p in phases if p.name == t.get("phase")), None)
-    if phase is None:
-        problems.append(f"tune.phase: {t.get('phase')!r} is not a phase ({', '.join(p.name for p in phases)})")
+    names = tuple(t["phase"]) if isinstance(t.get("phase"), list) else (t.get("phase"),)
+    own = [p for p in phases if p.name in names]
+    for name in names:
+        if name not in [p.name for p in phases]:
+            problems.append(f"tune.phase: {name!r} is not a phase ({', '.join(p.name for p in phases)})")
     grid = t.get("grid")
     if not isinstance(grid, list) or len(grid) < 2 or not all(isinstance(v, (int, float)) and v > 0 for v in grid):
         problems.append(f"tune.grid: {grid!r}; at least two positive numbers")
         grid = []
-    tuned = set(phase.arms) if phase else set()
+    tuned = {a for p in own for a in p.arms}
     for a, o in uses:
         key, _, of = o.partition("=@")
         if key != t.get("key") or of not in tuned:
             problems.append(f"arms.{a}: '{o}': a tuned value is `{t.get('key')}=@ARM`, ARM an arm of the tune phase")
-    return Tune(str(t.get("phase")), str(t.get("key")), tuple(map(float, grid)), t.get("step"))
+    return Tune(tuple(map(str, names)), str(t.get("key")), tuple(map(float, grid)), t.get("step"))
 
 
 def _beside(b, families: tuple[Family, ...], problems: list[str]) -> Beside:
@@ -405,3 +419,19 @@ def _piece(p, phases: list[str], problems: list[str]) -> Piece:
     if "phase" in args and args["phase"] not in phases:
         problems.append(f"pieces.{name}.phase: {args['phase']!r} is not a phase ({', '.join(phases)})")
     return Piece(name, dict(args))
+
+
+def _slope(args: dict, arms: dict, phases: list[str], problems: list[str]) -> None:
+    """The slope piece's arms are NUM-RUNG and DEN-RUNG for each pair and rung: each must be an arm."""
+    for phase in args.get("phases") or []:
+        if phase not in phases:
+            problems.append(f"pieces.slope.phases: {phase!r} is not a phase ({', '.join(phases)})")
+    pairs = [*(args.get("primary") or []), *(args.get("secondary") or [])]
+    if not pairs or not all(isinstance(p, list) and len(p) == 2 for p in pairs):
+        problems.append("pieces.slope: primary and secondary are lists of [NUM, DEN] pairs, e.g. [[fsdp, fl_hsdp]]")
+        return
+    if not isinstance(args.get("at"), (int, float)) or args["at"] <= 0:
+        problems.append(f"pieces.slope.at: {args.get('at')!r}; the parameter count to carry each line to")
+    for rung in args.get("rungs") or []:
+        wanted = dict.fromkeys(f"{a}-{rung}" for pair in pairs for a in pair)
+        _unknown_arms(wanted, arms, "pieces.slope (ARM-RUNG)", problems)

@@ -13,10 +13,10 @@ from typing import NamedTuple
 
 import pandas as pd
 
-from .arms import METRIC, arms_of, choices, overrides_of, tuning
+from .arms import algorithm_of, arm, arms_of, choices, overrides_of, tuning
+from .paper import paper_ratio
 from .pieces import COLUMNS
 from .runs_frame import frame as shape_frame
-from .science import paper_ratio
 from .spec import Comparison, Family, SeedRule, Study
 from .stats import Claim, Ratio, explore, judge, paired_ratio, seeds_for, size
 
@@ -39,7 +39,7 @@ def placed(df: pd.DataFrame, study: Study, overrides: list[set[str]]) -> pd.Data
     """df with each row's arm (a row per arm where a run is several: analysis.arms): the tune
     phase's first, then the others' with the values it chose."""
     tune = study.tune
-    first = [arms_of(o, study, p, {})[0] if tune and p == tune.phase else "?" for o, p in zip(overrides, df["phase"])]
+    first = [arms_of(o, study, p, {})[0] if tune and p in tune.phases else "?" for o, p in zip(overrides, df["phase"])]
     chosen, _ = choices(tuning(df.assign(arm=first), study), study)
     df = df.assign(arm=[arms_of(o, study, p, chosen) for o, p in zip(overrides, df["phase"])])
     df = df.explode("arm", ignore_index=True)
@@ -65,17 +65,6 @@ def frame(runs, study: Study) -> pd.DataFrame:
         if piece.name in COLUMNS and runs:
             df = df.join(pd.DataFrame([COLUMNS[piece.name](run) for run in runs], index=df.index))
     return placed(df, study, [o for _, o, _ in where])
-
-
-def arm(df: pd.DataFrame, name: str, phases: str | tuple[str, ...]) -> pd.Series:
-    """An arm's metric by seed in a phase (or in any of several)."""
-    sel = df[df["phase"].isin([phases] if isinstance(phases, str) else phases) & (df["arm"] == name)]
-    return sel.drop_duplicates("seed").set_index("seed")[METRIC]
-
-
-def algorithm_of(study: Study, name: str) -> str:
-    """The algorithm an arm runs: its `algorithm=` override (the paper's values are per algorithm)."""
-    return next((o.split("=", 1)[1] for o in study.arms[name] if o.startswith("algorithm=")), name)
 
 
 def paper_value(study: Study, c: Comparison, paper: dict) -> float:

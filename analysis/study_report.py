@@ -13,12 +13,12 @@ matplotlib.use("Agg")  # files only
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from .arms import choices, tuning  # noqa: E402
-from .pieces import sections  # noqa: E402
+from .arms import METRIC, arm, choices, tuning  # noqa: E402
+from .pieces import findings_rows, sections  # noqa: E402
 from .render import markdown  # noqa: E402
 from .runs_frame import changed, displayed, losses, plan_quote  # noqa: E402
 from .spec import Study  # noqa: E402
-from .study import METRIC, arm, decided_seeds, findings, pilot, seconds_per_run  # noqa: E402
+from .study import decided_seeds, findings, pilot, seconds_per_run  # noqa: E402
 from .study_run import STAMP  # noqa: E402
 
 
@@ -146,7 +146,7 @@ def verdicts(df: pd.DataFrame, study: Study, paper: dict, out: Path) -> list[str
     figure.png."""
     shown = [f for f in study.families if has_run(df, f)]
     table = findings(df, study, paper, shown)
-    table.to_csv(out / "findings.csv", index=False)
+    pd.concat([table, *findings_rows(df, study)], ignore_index=True).to_csv(out / "findings.csv", index=False)
     figure(df, table, study, out)
     parts = ["## Verdicts\n"]
     for family in shown:
@@ -171,7 +171,7 @@ def tuning_section(df: pd.DataFrame, study: Study, out: Path) -> list[str]:
     chosen, extend = choices(table, study)
     tune = study.tune
     return [
-        f"## {tune.key} ({tune.phase} seeds; geometric-mean {METRIC})\n",
+        f"## {tune.key} ({', '.join(tune.phases)} seeds; geometric-mean {METRIC})\n",
         markdown(table.round(1).reset_index()),
         "\nChosen: "
         + ", ".join(f"{a} {v:g}" for a, v in chosen.items())

@@ -124,7 +124,8 @@ def run(study: Study, out: Path, reduced: bool, until: str | None, overrides: li
     succeeded."""
     start, status = time.monotonic(), 0
     extra = [*(study.reduced.overrides if reduced else ()), *overrides]
-    tune = study.tune.phase if study.tune else None
+    until = until or (study.reduced.until if reduced else None)
+    tune = study.tune.phases if study.tune else ()
     for phase in study.phases:
         if not phase.run:
             print(f"{study.name}: {phase.name}: kept as it ran, not run again (the spec: run: false)")
@@ -133,7 +134,7 @@ def run(study: Study, out: Path, reduced: bool, until: str | None, overrides: li
         seeds = phase_seeds(study, phase, reduced, decided.seeds)
         arms = (
             tune_arms(study, phase, reduced, None)
-            if phase.name == tune
+            if phase.name in tune
             else resolved(study, phase.name, decided.chosen)
         )
         missing = [a for a in phase.arms if a not in arms]
@@ -146,7 +147,8 @@ def run(study: Study, out: Path, reduced: bool, until: str | None, overrides: li
             print(f"{study.name}: {phase.name}: nothing run ({why})", file=sys.stderr)
             return 1
         status |= run_phase(study, out, phase, arms, seeds, extra, start)
-        extend = decide(out).extend if phase.name == tune else {}  # the grid's runs read once
+        # the grid's runs read once; this phase's arms only
+        extend = {a: v for a, v in decide(out).extend.items() if a in phase.arms} if phase.name in tune else {}
         if extend:  # the best at a grid's edge: one value past it, once
             status |= run_phase(study, out, phase, tune_arms(study, phase, reduced, extend), seeds, extra, start)
         if phase.name == until:

@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT / "experiments"))
 from bench_netns import compose_cfg, write_results  # noqa: E402
 
 from fldp.cost import config_model  # noqa: E402
+from fldp.model import parameter_counts  # noqa: E402
 from fldp.provenance import source_commit  # noqa: E402
 from fldp.steptime import flops_per_token  # noqa: E402
 
@@ -56,13 +57,8 @@ def matmul_peak(n: int, repeats: int = 5) -> float:
 
 
 def parameters(cfg) -> dict[str, int]:
-    """The model's parameters: all of them, without the input embedding, and Kaplan's N (without the
-    lm_head too)."""
-    model, _ = config_model(cfg)
-    total = sum(p.numel() for p in model.parameters())
-    embedding = model.model.embed_tokens.weight.numel()
-    head = model.lm_head.weight.numel() if not model.config.tie_word_embeddings else 0
-    return {"params": total, "params_matmul": total - embedding, "params_non_embedding": total - embedding - head}
+    """The model's parameters (fldp.model.parameter_counts)."""
+    return parameter_counts(config_model(cfg)[0])
 
 
 def simulated(cfg, run_dir: Path) -> list[dict]:

@@ -63,6 +63,15 @@ def build_model(config: LlamaConfig, device: str | torch.device = "cpu") -> Llam
         return LlamaForCausalLM(config)
 
 
+def parameter_counts(model) -> dict[str, int]:
+    """All of the model's parameters, those of its matmuls (without the input embedding), and Kaplan
+    et al.'s N (without the lm_head too). A sharded (DTensor) parameter counts its whole shape."""
+    total = sum(p.numel() for p in model.parameters())  # a tied lm_head once
+    embedding = model.model.embed_tokens.weight.numel()
+    head = 0 if model.config.tie_word_embeddings else model.lm_head.weight.numel()
+    return {"params": total, "params_matmul": total - embedding, "params_non_embedding": total - embedding - head}
+
+
 # what the model's first forward imports lazily (transformers' masks bring torch._dynamo): measured
 # with `python -X importtime` on a local_8 run, as the modules each forked worker imported again
 FORWARD_IMPORTS = (

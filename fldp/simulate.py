@@ -36,7 +36,7 @@ from .config import OptimizerConfig, typed
 from .data import Blocks, WorldBatches
 from .errors import ConfigError
 from .mesh import mesh_shape
-from .model import DTYPES, build_model, fsdp_reduce_dtype, fsdp_unit, init_weights, llama_config
+from .model import DTYPES, build_model, fsdp_reduce_dtype, fsdp_unit, init_weights, llama_config, parameter_counts
 from .noise_scale import estimate
 from .records import PHASES, Recorder
 from .ring import fsdp_unit_mean
@@ -312,6 +312,7 @@ class Simulation:
             row,
             final,
             executed={"executor": "simulator", "network": "none", "network_link": None},
+            params=parameter_counts(self.model),
         )
         recorder.finish(summary)
         return summary

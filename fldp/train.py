@@ -230,7 +230,19 @@ def checked_blocks(cfg, world: int):
     blocks = prepare(cfg.dataset)
     check_vocab(cfg, blocks)
     check_blocks(cfg, blocks, world)
+    announce_model(cfg, blocks.vocab_size)
     return blocks
+
+
+def announce_model(cfg, vocab_size: int) -> None:
+    """The model's size, counted on the meta device (nothing allocated); summary.json records it too."""
+    from .model import build_model, llama_config, parameter_counts
+
+    n = parameter_counts(build_model(llama_config(cfg.model, vocab_size), "meta"))
+    log.info(
+        "model %s: %.2f M parameters, N = %.2f M without the embedding and lm_head",
+        cfg.model.name, n["params"] / 1e6, n["params_non_embedding"] / 1e6,
+    )  # fmt: skip
 
 
 def run_simulated(cfg, run_dir: str, shape) -> dict:

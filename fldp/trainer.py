@@ -28,7 +28,15 @@ from .data import Blocks, RankBatches
 from .evaluation import AVERAGE, GROUPS_MEAN, ONE_MODEL, Evaluation  # noqa: F401  (fldp.simulate's, from here)
 from .healing import Healing
 from .mesh import ConfigError, MeshShape, build_mesh, group_mesh, mesh_shape
-from .model import DTYPES, build_model, fsdp_reduce_dtype, init_weights, llama_config, parallelize
+from .model import (
+    DTYPES,
+    build_model,
+    fsdp_reduce_dtype,
+    init_weights,
+    llama_config,
+    parallelize,
+    parameter_counts,
+)
 from .netns import summary_fields
 from .provenance import run_fields
 from .records import Recorder
@@ -231,7 +239,7 @@ class RunRecords:
         self.last_row = row
         self.log(row)
 
-    def finish(self, cfg, place: Placement, fedavg, final: dict) -> dict | None:
+    def finish(self, cfg, place: Placement, fedavg, final: dict, params: dict) -> dict | None:
         """The final evaluation's row and summary.json; the summary (rank 0 only, else None)."""
         if self.recorder is None:
             return None
@@ -247,6 +255,7 @@ class RunRecords:
             self.last_row,
             final,
             executed={"executor": "trainer", **summary_fields(cfg)},
+            params=params,
         )
         self.recorder.finish(summary)
         return summary
@@ -310,7 +319,7 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None,
     final = evaluation.final()
     if federation is not None:
         federation.shutdown()
-    return records.finish(cfg, place, state.fedavg, final)
+    return records.finish(cfg, place, state.fedavg, final, parameter_counts(state.model))
 
 
 def elastic_federation(cfg, member, shape):
@@ -336,6 +345,7 @@ def run_summary(
     last_row: dict,
     final: dict,
     executed: dict,
+    params: dict,
 ) -> dict:
     """summary.json: what ran (the setting), how (`executed`: the executor, and the network that
     joined the ranks), and its results (the last training step's and the final evaluation's). One
@@ -358,6 +368,7 @@ def run_summary(
         "steps": steps,
         "topology": cfg.topology.name,
         "model": cfg.model.name,
+        **params,  # fldp.model.parameter_counts: the model-size ladder's x
         "dataset": cfg.dataset.name,
         "precision": cfg.trainer.precision,
         "batch_size": cfg.trainer.batch_size,
