@@ -481,9 +481,15 @@ def _ended_early(group: _Group, why: str, events: Path) -> None:
     logging.getLogger(__name__).warning(
         "federation group %d ended early (%s): the run's result is the other groups'", group.index, why
     )
+    _record(events, {"event": "ended early", "time": time.time(), "group": group.index, "why": why})
+
+
+def _record(events: Path, event: dict) -> None:
+    """One line of events.jsonl. A disk that refuses it loses the line only: the event is still
+    reported (logged, raised, or seen in a heal row)."""
     with contextlib.suppress(OSError):
         with events.open("a") as f:
-            f.write(json.dumps({"event": "ended early", "time": time.time(), "group": group.index, "why": why}) + "\n")
+            f.write(json.dumps(event) + "\n")
 
 
 def _failed(group: _Group, proc, groups: list, events: Path, restart_failed: bool, max_restarts: int, launch) -> bool:
@@ -513,9 +519,7 @@ def _failed(group: _Group, proc, groups: list, events: Path, restart_failed: boo
         "exit": how,
         "restarted": restarting,
     }
-    with contextlib.suppress(OSError):  # a disk that refuses it: the failure is still reported, below or by a heal row
-        with events.open("a") as f:
-            f.write(json.dumps(event) + "\n")
+    _record(events, event)
     if not restarting and restart_failed and not others_running and group.restart < max_restarts:
         _ended_early(group, f"it failed after every other group had finished ({how})", events)
         return False
