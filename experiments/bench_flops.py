@@ -10,12 +10,14 @@ products) x the step's tokens, over the median `time_step` of its steps after th
 and written (OUT/results.csv) per row with the ratio to the peak measured just before it, and the
 model's parameters: all, and without the input embedding and the lm_head (Kaplan et al.'s N).
 
-    python experiments/bench_flops.py [--models tiny_llama,ladder_1,ladder_2,ladder_3]
-        [--algorithms fsdp,fl_fsdp] [--steps 4] [--matmul 2048] [--precision fp32] [--malloc-too]
-        [--out experiments/flops]
+    python experiments/bench_flops.py [--models tiny_llama,ladder_1,ladder_2,ladder_3,ladder_4]
+        [--algorithms fsdp,fl_fsdp] [--steps 4] [--matmul 2048] [--precision fp32]
+        [--against KEY=VALUE ...] [--out experiments/flops]
 
---malloc-too runs each row with glibc's defaults first (cluster.keep_freed_memory=false), then as
-the simulator runs by default, and prints how much faster a step the second is, side by side.
+--against KEY=VALUE (repeatable) runs each row first with that override, then as the simulator runs
+by default, and prints how much faster a step the default is, side by side: e.g.
+cluster.keep_freed_memory=false (glibc's defaults), cluster.stacked_attention=false (transformers'
+sdpa, group by group).
 """
 
 from __future__ import annotations
@@ -70,9 +72,9 @@ def simulated(cfg, run_dir: Path) -> list[dict]:
     return [r for r in rows if r.get("split") is None]
 
 
-def row(model: str, algorithm: str, args, tmp: Path, keep: bool) -> dict:
+def row(model: str, algorithm: str, args, tmp: Path, against: str = "") -> dict:
     """One (model, algorithm): the peak, then the simulated run's FLOP/s and its ratio to it;
-    `keep`: cluster.keep_freed_memory."""
+    `against`: an override it runs with (else the simulator's defaults)."""
     cfg = compose_cfg(
         "+experiment=paper_shape",
         f"model={model}",
@@ -80,7 +82,7 @@ def row(model: str, algorithm: str, args, tmp: Path, keep: bool) -> dict:
         *QUIET,
         f"trainer.steps={args.steps}",
         f"trainer.precision={args.precision}",
-        f"cluster.keep_freed_memory={keep}",
+        *([against] if against else []),
     )
     counts = parameters(cfg)
     m, seq = cfg.model, cfg.dataset.block_size
@@ -88,7 +90,7 @@ def row(model: str, algorithm: str, args, tmp: Path, keep: bool) -> dict:
         counts["params"], counts["params"] - counts["params_matmul"], m.num_hidden_layers, m.hidden_size, seq
     )
     peak = matmul_peak(args.matmul)
-    steps = simulated(cfg, tmp / f"{model}-{algorithm}-{keep}")
+    steps = simulated(cfg, tmp / f"{model}-{algorithm}-{len(against)}")
     tokens = steps[0]["tokens"]  # the first step's: tokens per step
     step_s = statistics.median(r["time_step"] for r in steps[1:])
     rate = step_flops * tokens / step_s
@@ -96,7 +98,7 @@ def row(model: str, algorithm: str, args, tmp: Path, keep: bool) -> dict:
         "model": model,
         "algorithm": algorithm,
         "precision": args.precision,
-        "keep_freed_memory": keep,
+        "override": against,
         **counts,
         "tokens_per_step": tokens,
         "step_s": round(step_s, 4),
@@ -106,7 +108,7 @@ def row(model: str, algorithm: str, args, tmp: Path, keep: bool) -> dict:
     }
     print(
         f"{model} ({counts['params'] / 1e6:.2f} M parameters, N = {counts['params_non_embedding'] / 1e6:.2f} M) "
-        f"{algorithm}{'' if keep else ' (glibc defaults)'}: {step_s:.3f} s a step, {rate / 1e9:.1f} GFLOP/s against a matmul peak of "
+        f"{algorithm}{f' ({against})' if against else ''}: {step_s:.3f} s a step, {rate / 1e9:.1f} GFLOP/s against a matmul peak of "
         f"{peak / 1e9:.1f}: {rate / peak:.0%}",
         flush=True,
     )
@@ -115,7 +117,7 @@ def row(model: str, algorithm: str, args, tmp: Path, keep: bool) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="tiny_llama,ladder_1,ladder_2,ladder_3")
+    ap.add_argument("--models", default="tiny_llama,ladder_1,ladder_2,ladder_3,ladder_4")
     ap.add_argument("--algorithms", default="fsdp,fl_fsdp")
     ap.add_argument("--steps", type=int, default=4, help="steps per run; the first is left out")
     ap.add_argument("--matmul", type=int, default=2048, help="N of the N x N matmul that measures the peak")
@@ -123,9 +125,11 @@ def main() -> None:
     # has no fast CPU kernel without AVX-512 BF16 / AMX (this VM: a bf16 step several times an fp32 one)
     ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     ap.add_argument(
-        "--malloc-too",
-        action="store_true",
-        help="each row first with glibc's defaults (cluster.keep_freed_memory=false), its speed-up printed",
+        "--against",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="each row first with this override, then with the defaults, the speed-up printed (repeatable)",
     )
     ap.add_argument("--out", default=str(ROOT / "experiments" / "flops"))
     args = ap.parse_args()
@@ -134,11 +138,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models.split(","):
             for algorithm in args.algorithms.split(","):
-                if args.malloc_too:
-                    rows.append(row(model, algorithm, args, Path(tmp), keep=False))
-                rows.append(row(model, algorithm, args, Path(tmp), keep=True))
-                if args.malloc_too:
-                    print(f"  keep_freed_memory: {rows[-2]['step_s'] / rows[-1]['step_s']:.2f}x faster a step")
+                baselines = [row(model, algorithm, args, Path(tmp), against) for against in args.against]
+                rows += [*baselines, row(model, algorithm, args, Path(tmp))]
+                for b in baselines:
+                    print(
+                        f"  the defaults against {b['override']}: {b['step_s'] / rows[-1]['step_s']:.2f}x faster a step"
+                    )
                 write_results(Path(args.out), rows)  # each row as it lands: a larger model may not fit
     print(f"{len(rows)} rows in {Path(args.out) / 'results.csv'}, {time.monotonic() - start:.0f} s")
 

@@ -390,6 +390,12 @@ class ClusterConfig:
         "zeroed pages every step (fldp.simulate.keep_freed_memory); false: glibc's defaults",
         True,
     )
+    stacked_attention: bool = setting(
+        Bool(optional=True, when=SIMULATE),
+        "cluster=simulate on the CPU, reductions=once: every group's attention one kernel call under vmap "
+        "(fldp/stacked_attention.py; in fp32 bit for bit the same); false: transformers' sdpa, group by group",
+        True,
+    )
     noise_scale_every: int | None = setting(
         Int(ge=1, null=True, optional=True, when=SIMULATE),
         "cluster=simulate: the gradient noise scale B_simple at group 0's weights on the step's sequences "

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
+from . import stacked_attention
 from .aggregation import FedAvgConfig, fragment_fields
 from .config import OptimizerConfig, typed
 from .data import Blocks, WorldBatches
@@ -53,8 +54,8 @@ from .trainer import (
     total_steps,
 )
 
-# vmap has no batching rule for CPU flash attention and loops over the groups inside that one op
-# (measured: as fast as eager attention at F = 128); the warning would repeat at every step
+# vmap has no batching rule for flash attention on other devices than the CPU (fldp.stacked_attention
+# gives the CPU kernel one) and loops over the groups inside that one op; the warning would repeat
 warnings.filterwarnings("ignore", message=".*not yet implemented the batching rule.*")
 
 EVAL_CHUNK = 256  # held-out sequences per forward pass (bounds the logits' memory)
@@ -131,6 +132,11 @@ class Simulation:
         self.shape = shape = mesh_shape(cfg)
         self.steps = total_steps(cfg, blocks, shape.world)
         model = build_model(llama_config(cfg.model, blocks.vocab_size), device)
+        # every group's attention one call: in fp32 bit for bit sdpa's; not the ring's (its bf16 kernel
+        # blocks a larger batch otherwise, and the ring is the trainer's bf16 to the bit, group by group)
+        once = cfg.cluster.get("reductions", "once") == "once"
+        if device.type == "cpu" and once and cfg.cluster.get("stacked_attention", True):
+            model.config._attn_implementation = stacked_attention.register()
         for p in model.parameters():  # pure low precision, as fldp.model.parallelize
             p.data = p.data.to(DTYPES[cfg.trainer.precision])
         init_weights(model, device, cfg.seed)
