@@ -13,7 +13,9 @@ import math
 
 import pandas as pd
 
-from .spec import Study
+from .paper import paper_ratio
+from .spec import Comparison, Family, Study
+from .stats import Claim
 
 METRIC = "eval_perplexity"
 
@@ -119,12 +121,33 @@ def choices(table: pd.DataFrame, study: Study) -> tuple[dict[str, float], dict[s
     return chosen, extend
 
 
-def arm(df: pd.DataFrame, name: str, phases: str | tuple[str, ...]) -> pd.Series:
+def arm(df: pd.DataFrame, name: str, phases: str | tuple[str, ...], metric: str = METRIC) -> pd.Series:
     """An arm's metric by seed in a phase (or in any of several)."""
     sel = df[df["phase"].isin([phases] if isinstance(phases, str) else phases) & (df["arm"] == name)]
-    return sel.drop_duplicates("seed").set_index("seed")[METRIC]
+    return sel.drop_duplicates("seed").set_index("seed")[metric]
 
 
 def algorithm_of(study: Study, name: str) -> str:
     """The algorithm an arm runs: its `algorithm=` override (the paper's values are per algorithm)."""
     return next((o.split("=", 1)[1] for o in study.arms[name] if o.startswith("algorithm=")), name)
+
+
+def paper_value(study: Study, c: Comparison, paper: dict, metric: str = METRIC) -> float:
+    if c.paper == "above":
+        return math.inf
+    if c.paper == "below":
+        return 0.0
+    return paper_ratio(paper, algorithm_of(study, c.num), algorithm_of(study, c.den), metric)
+
+
+def claims(df: pd.DataFrame, study: Study, family: Family, paper: dict, phase: str | None = None) -> list[Claim]:
+    """A family's comparisons as claims on its metric, seed by seed (in `phase`, else its own)."""
+    return [
+        Claim(
+            c.claim,
+            arm(df, c.num, phase or family.phases, family.metric),
+            arm(df, c.den, phase or family.phases, family.metric),
+            paper_value(study, c, paper, family.metric),
+        )
+        for c in family.comparisons
+    ]

@@ -10,7 +10,9 @@ may add columns to the one row per run (COLUMNS) and adds a section to report.md
   FSDP's computation in the simulator.)
 - slope: the model-size ladder's lines (analysis.slope): each [NUM, DEN] pair's log ratio against
   log N over the rungs (arms NUM-RUNG, DEN-RUNG), its slope, crossing and value at `at` parameters;
-  rows of findings.csv (FINDINGS) and a figure of the ratios against N (ladder.png)."""
+  rows of findings.csv (FINDINGS) and a figure of the ratios against N (ladder.png).
+- best_lr, by_lr, drift, batch_control, frontier, tables34: the tiny study's controls
+  (analysis.science_pieces)."""
 
 from __future__ import annotations
 
@@ -31,6 +33,15 @@ from .arms import METRIC, algorithm_of, arm, geometric_mean  # noqa: E402
 from .paper import paper_ratio  # noqa: E402
 from .render import markdown  # noqa: E402
 from .runs_frame import beside_committed  # noqa: E402
+from .science_pieces import (  # noqa: E402
+    batch_control_section,
+    best_lr_findings,
+    best_lr_section,
+    by_lr_section,
+    drift_section,
+    frontier_section,
+    tables34_section,
+)
 from .slope import crossing, fit, lack_of_fit  # noqa: E402
 from .spec import Study  # noqa: E402
 from .stats import LEVEL  # noqa: E402
@@ -238,9 +249,15 @@ SECTIONS: dict[str, Callable[..., list[str]]] = {
     "reruns": reruns_section,
     "identical": identical_section,
     "slope": slope_section,
+    "best_lr": best_lr_section,
+    "by_lr": by_lr_section,
+    "drift": drift_section,
+    "batch_control": batch_control_section,
+    "frontier": frontier_section,
+    "tables34": tables34_section,
 }
 # rows a piece adds to findings.csv, each taking (df, study) and its spec arguments
-FINDINGS: dict[str, Callable[..., pd.DataFrame]] = {"slope": slope_findings}
+FINDINGS: dict[str, Callable[..., pd.DataFrame]] = {"slope": slope_findings, "best_lr": best_lr_findings}
 
 
 def sections(df: pd.DataFrame, study: Study, out: Path) -> list[str]:

@@ -142,10 +142,11 @@ def displayed(table: pd.DataFrame, target: float) -> pd.DataFrame:
 
 
 def plan_quote(plan_path: Path) -> str:
-    plan = (
-        plan_path.read_text().splitlines()
-        if plan_path.exists()
-        else ["(not found: an installed analysis has no experiments/)"]
-    )
+    if plan_path.exists():
+        plan = plan_path.read_text().splitlines()
+    elif (plan_path.parent / "study.yaml").exists():  # the tiny study's: written before the pre-registered ones
+        plan = ["(none: the study was not pre-registered; its spec says what it runs and reports)"]
+    else:
+        plan = ["(not found: an installed analysis has no experiments/)"]
     shown = "/".join(plan_path.parts[-3:])
     return f"## The plan\n\n(quoted from {shown})\n\n" + "\n".join("> " + line for line in plan)

@@ -14,6 +14,7 @@ import yaml
 
 TESTS = ("judge", "explore")  # analysis.stats: a family's verdicts, or comparisons shown and not judged
 PAPER_SIDES = ("paper", "above", "below")  # the paper's own ratio, or only the claim's side of 1
+METRICS = ("eval_perplexity", "train_time_s")  # a family's ratios: of a run's final eval perplexity, or its time
 
 
 class SpecError(Exception):
@@ -38,13 +39,15 @@ class Comparison:
 class Family:
     """`phases`: where its arms' runs are looked for (one, or several where its arms belong to
     different phases: each arm's runs are in one of them). `note`: what the report says above the
-    family's table (e.g. why it is explored only)."""
+    family's table (e.g. why it is explored only). `metric`: the run's number each ratio is of
+    (the tiny study's time claims: train_time_s)."""
 
     name: str
     phases: tuple[str, ...]
     test: str
     comparisons: tuple[Comparison, ...]
     note: str = ""
+    metric: str = "eval_perplexity"
 
     @property
     def phase(self) -> str:
@@ -98,6 +101,12 @@ PIECES = {
     "reruns": ("phase", "of", "metric"),
     "identical": ("phase", "to"),
     "slope": ("phases", "rungs", "primary", "secondary", "at"),
+    "best_lr": ("phases", "family"),  # the tiny study's (analysis.science_pieces)
+    "by_lr": ("families",),
+    "drift": ("pairs",),
+    "batch_control": ("controls",),
+    "frontier": ("phases",),
+    "tables34": ("phase",),
 }
 
 
@@ -214,6 +223,8 @@ def _build(d: dict, directory: Path, problems: list[str]) -> Study | None:
     pieces = tuple(_piece(p, names, problems) for p in _list(d, "pieces", problems, True))
     for piece in (p for p in pieces if p.name == "slope"):
         _slope(piece.args, arms, names, problems)
+    for piece in pieces:
+        _named(piece, arms, [f.name for f in families], names, problems)
     tune = _tune(d.get("tune"), arms, phases, problems)
     target = d.get("target")
     if not isinstance(target, (int, float)) or not 0 < target < 1:
@@ -320,7 +331,11 @@ def _family(f, i: int, arms: dict, phases: list[str], problems: list[str]) -> Fa
         if c.get("paper", "paper") not in PAPER_SIDES:
             problems.append(f"{key}.comparisons[{j}].paper: {c.get('paper')!r}; one of {', '.join(PAPER_SIDES)}")
         comparisons.append(Comparison(c["claim"], c["num"], c["den"], c.get("paper", "paper"), c.get("also")))
-    return Family(f["name"], tuple(map(str, own)), f.get("test", "judge"), tuple(comparisons), str(f.get("note", "")))
+    metric = f.get("metric", "eval_perplexity")
+    if metric not in METRICS:
+        problems.append(f"{key}.metric: {metric!r}; one of {', '.join(METRICS)}")
+    note = str(f.get("note", ""))
+    return Family(f["name"], tuple(map(str, own)), f.get("test", "judge"), tuple(comparisons), note, str(metric))
 
 
 def _seed_rule(r, arms: dict, phases: list[str], families: list[str], problems: list[str]) -> SeedRule | None:
@@ -435,3 +450,21 @@ def _slope(args: dict, arms: dict, phases: list[str], problems: list[str]) -> No
     for rung in args.get("rungs") or []:
         wanted = dict.fromkeys(f"{a}-{rung}" for pair in pairs for a in pair)
         _unknown_arms(wanted, arms, "pieces.slope (ARM-RUNG)", problems)
+
+
+def _named(piece: Piece, arms: dict, families: list[str], phases: list[str], problems: list[str]) -> None:
+    """The arms, families and phases a piece's arguments name (the tiny study's pieces) must be the spec's."""
+    args = piece.args
+    listed = [*(args.get("pairs") or []), *(args.get("controls") or [])]
+    if not all(isinstance(x, list) for x in listed):
+        problems.append(f"pieces.{piece.name}: lists of arms, e.g. [[hsdp, fsdp]]")
+        return
+    wanted = [a for x in listed for a in (x[:2] if piece.name == "drift" else x)]
+    _unknown_arms(wanted, arms, f"pieces.{piece.name}", problems)
+    for name in [*([args["family"]] if "family" in args else []), *(args.get("families") or [])]:
+        if name not in families:
+            problems.append(f"pieces.{piece.name}: {name!r} is not a family ({', '.join(families)})")
+    if piece.name in ("best_lr", "frontier"):
+        for phase in args.get("phases") or []:
+            if phase not in phases:
+                problems.append(f"pieces.{piece.name}.phases: {phase!r} is not a phase ({', '.join(phases)})")

@@ -13,12 +13,12 @@ from typing import NamedTuple
 
 import pandas as pd
 
-from .arms import algorithm_of, arm, arms_of, choices, overrides_of, tuning
+from .arms import algorithm_of, arms_of, choices, claims, overrides_of, tuning
 from .paper import paper_ratio
 from .pieces import COLUMNS
 from .runs_frame import frame as shape_frame
-from .spec import Comparison, Family, SeedRule, Study
-from .stats import Claim, Ratio, explore, judge, paired_ratio, seeds_for, size
+from .spec import Family, SeedRule, Study
+from .stats import Ratio, explore, judge, paired_ratio, seeds_for, size
 
 NO_PAPER = "n/a (no paper value)"
 
@@ -65,26 +65,6 @@ def frame(runs, study: Study) -> pd.DataFrame:
         if piece.name in COLUMNS and runs:
             df = df.join(pd.DataFrame([COLUMNS[piece.name](run) for run in runs], index=df.index))
     return placed(df, study, [o for _, o, _ in where])
-
-
-def paper_value(study: Study, c: Comparison, paper: dict) -> float:
-    if c.paper == "above":
-        return math.inf
-    if c.paper == "below":
-        return 0.0
-    return paper_ratio(paper, algorithm_of(study, c.num), algorithm_of(study, c.den))
-
-
-def claims(df: pd.DataFrame, study: Study, family: Family, paper: dict, phase: str | None = None) -> list[Claim]:
-    return [
-        Claim(
-            c.claim,
-            arm(df, c.num, phase or family.phases),
-            arm(df, c.den, phase or family.phases),
-            paper_value(study, c, paper),
-        )
-        for c in family.comparisons
-    ]
 
 
 def family_table(df: pd.DataFrame, study: Study, family: Family, paper: dict) -> pd.DataFrame:

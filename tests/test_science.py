@@ -1,6 +1,8 @@
 """The tiny study (issue 12): the paper-shaped topology, the statistics against published t-table
-values and hand computation, and analysis/science.py on synthetic records whose verdicts are known
-by construction. (The study's real runs: experiments/science.sh, run reduced in CI.)"""
+values and hand computation, and its spec (experiments/science/study.yaml: its families and the
+pieces of analysis/science_pieces.py) on synthetic records whose verdicts are known by construction.
+(The study's real runs: `fldp-study run experiments/science --reduced` in CI; its committed numbers
+made again: tests/test_study.py.)"""
 
 import math
 import statistics
@@ -11,7 +13,7 @@ from conftest import ROOT, compose_cfg
 
 from analysis import paper
 from analysis.records import make_run
-from analysis.science import RUN_COLUMNS, Study, batch_control, best_lrs, by_lr, drift, findings, frontier, report
+from analysis.spec import load
 from analysis.stats import (
     TOO_FEW,
     Claim,
@@ -90,84 +92,6 @@ def test_paired_ratio_from_the_definition():
     assert (m, hi - m) == (2.0, pytest.approx(4.303 * 1.0 / math.sqrt(3), rel=1e-4))
 
 
-def _run(
-    algo,
-    seed,
-    ppl,
-    *,
-    precision="fp32",
-    lr=1e-2,
-    every=8,
-    steps=8,
-    mesh=None,
-    network="loopback",
-    time_s=1.0,
-    reduce_dtype=None,
-    loss_shift=0.0,
-):
-    F, R, S = mesh or {"fsdp": (1, 1, 8), "hsdp": (1, 4, 2), "fl_fsdp": (4, 1, 2), "fl_hsdp": (2, 2, 2)}[algo]
-    rows = [
-        {
-            "step": i,
-            "loss": 5.0 - 0.01 * i + loss_shift,
-            "perplexity": 100.0,
-            **{f: 0.0 for f in ANALYSED_FIELDS if f.startswith("time_")},
-            "time_step": time_s / steps,
-            "aggregated": False,
-        }
-        for i in range(1, steps + 1)
-    ]
-    summary = {
-        "algorithm": algo,
-        "seed": seed,
-        "steps": steps,
-        "federation": F,
-        "replicate": R,
-        "shard": S,
-        "world_size": F * R * S,
-        "batch_size": 2,
-        "precision": precision,
-        "every": every if F > 1 else None,
-        "outer": {"reduce_dtype": reduce_dtype} if F > 1 else None,
-        "network": network,
-        "eval_perplexity": ppl,
-        "eval_time_s": 0.1,
-        "train_time_s": time_s,
-        "train_perplexity": ppl,
-    }
-    return make_run(
-        f"{algo}-{seed}-{precision}-{lr}-{steps}-{F}x{R}x{S}-{every}-{network}",
-        summary,
-        rows,
-        {"optimizer": {"lr": lr}, "trainer": {"steps": steps}},
-    )
-
-
-def synthetic():
-    """5 seeds; FL+HSDP clearly below HSDP and FSDP; FSDP = HSDP exactly in fp32, HSDP 1.1x in bf16
-    (with noise); FL+FSDP ties FSDP; a batch control below FL+FSDP; lr 3e-3 best for FL+FSDP only."""
-    runs = []
-    for s in range(5):
-        noise = 1 + 0.01 * (s - 2)
-        base = {"fsdp": 500.0, "hsdp": 500.0, "fl_fsdp": 500.0 * (1 + 0.02 * (-1) ** s), "fl_hsdp": 300.0}
-        for algo, ppl in base.items():
-            runs.append(_run(algo, s, ppl * noise, network="netns", time_s={"fsdp": 40, "hsdp": 20}.get(algo, 10)))
-            runs.append(
-                _run(
-                    algo,
-                    s,
-                    ppl * noise * (1.1 + 0.01 * s if algo == "hsdp" else 1.0),
-                    precision="bf16",
-                    loss_shift=0.05 if algo == "hsdp" else 0.0,
-                )
-            )
-            runs.append(_run(algo, s, ppl * noise * (0.8 if algo == "fl_fsdp" else 1.2), lr=3e-3))
-        runs.append(_run("fsdp", s, 400.0 * noise, mesh=(1, 1, 2)))  # batch-matched, FL+FSDP's group
-        runs.append(_run("fsdp", s, 350.0 * noise, mesh=(1, 1, 2), steps=32))  # token-matched (F = 4)
-        runs.append(_run("fl_fsdp", s, 450.0 * noise, every=1, network="netns", time_s=30))
-    return runs
-
-
 def test_holm_and_the_plain_level():
     """A claim whose plain 95% interval excludes the band, but whose Holm-corrected one does not,
     is reproduced when explored and inconclusive when judged in its family."""
@@ -195,126 +119,143 @@ def test_holm_and_the_plain_level():
     assert holm_levels([0.001, 0.03, 0.04]) == pytest.approx([1 - 0.05 / 3, 1 - 0.05 / 2, 1 - 0.05 / 3])
 
 
-def test_verdicts_on_synthetic_records():
-    st = Study(synthetic())
-    assert (st.lr, st.steps, st.every, st.world) == (1e-2, 8, 8, 8)
-    found = findings(st, paper.load())
-    primary = found[found["family"] == "primary"].set_index("claim")
-    # the primary family: the five perplexity claims at the shared lr, fp32, Holm-corrected together
-    assert len(primary) == 5 and set(primary["setting"]) == {"fp32, shared lr 0.01"}
+SCIENCE = ROOT / "experiments" / "science"
+MESHES = {"fsdp": (1, 1, 8), "hsdp": (1, 4, 2), "fl_fsdp": (4, 1, 2), "fl_hsdp": (2, 2, 2)}
+
+
+def _run(phase, point, algo, seed, ppl, *, precision="fp32", lr=1e-2, every=8, steps=8, mesh=None, time_s=1.0, loss_shift=0.0):  # fmt: skip
+    """A finished run of the spec's phase at the sweep point `point` (its directory's overrides)."""
+    F, R, S = mesh or MESHES[algo]
+    rows = [
+        {
+            "step": i,
+            "loss": 5.0 - 0.01 * i + loss_shift,
+            "perplexity": 100.0,
+            **{f: 0.0 for f in ANALYSED_FIELDS if f.startswith("time_")},
+            "time_step": time_s / steps,
+            "aggregated": False,
+        }
+        for i in range(1, steps + 1)
+    ]
+    summary = {
+        "algorithm": algo, "seed": seed, "steps": steps, "federation": F, "replicate": R, "shard": S,
+        "world_size": F * R * S, "batch_size": 2, "precision": precision, "every": every if F > 1 else None,
+        "eval_perplexity": ppl, "eval_loss": math.log(ppl), "eval_time_s": 0.1, "train_time_s": time_s,
+        "train_perplexity": ppl,
+    }  # fmt: skip
+    name = f"/x/runs/{phase}/+experiment=science,{point},seed={seed}"
+    return make_run(name, summary, rows, {"optimizer": {"lr": lr}, "trainer": {"steps": steps}})
+
+
+def synthetic():
+    """5 seeds; FL+HSDP clearly below HSDP and FSDP; FSDP = HSDP exactly in fp32, HSDP 1.1x in bf16
+    (with noise); FL+FSDP ties FSDP; a batch control below FL+FSDP; lr 3e-3 best for FL+FSDP only."""
+    runs = []
+    for s in range(5):
+        noise = 1 + 0.01 * (s - 2)
+        base = {"fsdp": 500.0, "hsdp": 500.0, "fl_fsdp": 500.0 * (1 + 0.02 * (-1) ** s), "fl_hsdp": 300.0}
+        for algo, ppl in base.items():
+            time_s = {"fsdp": 40, "hsdp": 20}.get(algo, 10)
+            runs.append(_run("tiny_repro", f"algorithm={algo},topology=netns_4x2", algo, s, ppl * noise, time_s=time_s))
+            bf16 = ppl * noise * (1.1 + 0.01 * s if algo == "hsdp" else 1.0)
+            shift = 0.05 if algo == "hsdp" else 0.0
+            point = f"algorithm={algo},trainer.precision=bf16"
+            runs.append(_run("bf16", point, algo, s, bf16, precision="bf16", loss_shift=shift))
+            low = ppl * noise * (0.8 if algo == "fl_fsdp" else 1.2)
+            runs.append(_run("lr", f"algorithm={algo},optimizer.lr=0.003", algo, s, low, lr=3e-3))
+        point = "algorithm=fsdp,topology=local_2"  # one FL+FSDP group's batch: as many steps, and F times as many
+        runs.append(_run("batch_fl_fsdp", point, "fsdp", s, 400.0 * noise, mesh=(1, 1, 2)))
+        runs.append(
+            _run("batch_fl_fsdp", point + ",trainer.steps=128", "fsdp", s, 350.0 * noise, mesh=(1, 1, 2), steps=32)
+        )
+        point = "algorithm.every=1,algorithm=fl_fsdp,topology=netns_4x2"
+        runs.append(_run("frontier", point, "fl_fsdp", s, 450.0 * noise, every=1, time_s=30))
+    return runs
+
+
+def test_verdicts_on_synthetic_records(tmp_path):
+    """The spec's report on runs whose verdicts are known: the primary family judged (simultaneous
+    intervals, Holm's directions), every other comparison explored, and the controls."""
+    from analysis.study import frame
+    from analysis.study_report import report
+
+    study = load(SCIENCE)
+    report(frame(synthetic(), study), study, paper.load(), tmp_path, "test", 60.0, tmp_path / "runs")
+    found = pd.read_csv(tmp_path / "findings.csv")
+    primary = found[found["family"] == study.families[0].name].set_index("claim")
+    assert len(primary) == 5 and list(primary["level"]) == pytest.approx([1 - 0.05 / 5] * 5)
     assert list(primary["direction_level"]) == pytest.approx(holm_levels(list(primary["p"])))
-    assert list(primary["level"]) == pytest.approx([1 - 0.05 / 5] * 5)  # the shown intervals: simultaneous
-    assert (primary["level"] > 0.95).all() and (found.loc[found["family"] == "exploratory", "level"] == 0.95).all()
+    assert (found.loc[found["family"] != study.families[0].name, "level"] == 0.95).all()
     d = primary["direction"]
     assert d["FL+HSDP reaches a lower eval perplexity than HSDP"] == "reproduced"
     assert (
         primary.loc["FL+HSDP reaches a lower eval perplexity than HSDP", "size"] == "effect size refuted at this scale"
     )
-    # FL+FSDP / FSDP: 1 +- 2% by seed, an interval from 0.96 to 1.03 ...
-    assert d["FL+FSDP reaches a lower eval perplexity than FSDP"] == "inconclusive"
-    # ... HSDP = FSDP exactly: [1, 1]
-    assert d["HSDP ends with a higher eval perplexity than FSDP"] == "tie"
-    v = found[found["family"] == "exploratory"].set_index(["claim", "setting"])["direction"]
-    assert v["HSDP ends with a higher eval perplexity than FSDP", "bf16, shared lr 0.01"] == "reproduced"
-    # at each one's best lr FL+FSDP (best 3e-3: 0.8x) now beats FSDP (best 1e-2): exploratory only
-    assert best_lrs(st) == {"fsdp": 1e-2, "hsdp": 1e-2, "fl_fsdp": 3e-3, "fl_hsdp": 1e-2}
-    assert (
-        v["FL+FSDP reaches a lower eval perplexity than FSDP", "fp32, each one's best lr (picked on these seeds)"]
-        == "reproduced"
-    )
-    timing = found[found["setting"].str.contains("netns")]
-    assert list(timing["direction"]) == ["reproduced", "reproduced", "tie"]
-    assert set(timing["family"]) == {"exploratory"} and timing["runs [CI]"].iloc[0].startswith("4.000")
-    d = drift(st).set_index("comparison")
-    assert d.loc["HSDP vs FSDP, fp32", "max abs train-loss difference (any step)"] == "0.00e+00"
-    assert d.loc["HSDP vs FSDP, bf16", "at the last step (mean)"] == "5.00e-02"
-    b = batch_control(st)
-    fl_fsdp = b[b["FL run"].str.startswith("FL+FSDP")].set_index("control")["direction (exploratory)"]
+    assert d["FL+FSDP reaches a lower eval perplexity than FSDP"] == "inconclusive"  # 1 +- 2% by seed
+    assert d["HSDP ends with a higher eval perplexity than FSDP"] == "tie"  # HSDP = FSDP exactly: [1, 1]
+    v = found.set_index(["family", "claim"])["direction"]
+    assert v["bf16, shared lr 0.01", "HSDP ends with a higher eval perplexity than FSDP"] == "reproduced"
+    # at each one's best lr FL+FSDP (best 3e-3: 0.8x) now beats FSDP (best 1e-2): explored only
+    best = "fp32, each one's best lr (picked on these seeds)"
+    assert v[best, "FL+FSDP reaches a lower eval perplexity than FSDP"] == "reproduced"
+    assert list(pd.read_csv(tmp_path / "lr.csv")["best lr"]) == [0.01, 0.01, 0.003, 0.01]
+    timing = found[found["family"] == "fp32, shared lr, netns network"]
+    assert list(timing["direction"]) == ["reproduced", "reproduced", "tie"] and timing["ratio"].iloc[
+        0
+    ] == pytest.approx(4.0)
+    drift = pd.read_csv(tmp_path / "drift.csv", dtype=str).set_index("comparison")
+    assert drift.loc["HSDP vs FSDP, fp32", "max abs train-loss difference (any step)"] == "0.00e+00"
+    assert drift.loc["HSDP vs FSDP, bf16", "at the last step (mean)"] == "5.00e-02"
+    b = pd.read_csv(tmp_path / "batch_control.csv")
+    fl_fsdp = b[b["FL run"].str.startswith("FL+FSDP")]["direction (exploratory)"]
     assert list(fl_fsdp) == ["inconclusive (interval spans the tie band)", "control lower", "control lower"]
-    fr, network = frontier(st)
-    assert network == "netns"
-    assert set(zip(fr["algorithm"], fr["A"])) == {
-        ("FSDP", "-"),
-        ("HSDP", "-"),
-        ("FL+FSDP", 1),
-        ("FL+FSDP", 8),
-        ("FL+HSDP", 8),
-    }
+    assert b["control"].str.startswith("token-matched").sum() == 1
+    fr = pd.read_csv(tmp_path / "frontier.csv", dtype={"A": str})
+    assert set(zip(fr["algorithm"], fr["A"])) == {("FSDP", "-"), ("HSDP", "-"), ("FL+FSDP", "1"), ("FL+FSDP", "8"), ("FL+HSDP", "8")}  # fmt: skip
     # relative to FSDP in the same seed: 450 / 500 for every seed, however much the seeds differ
-    assert fr.set_index(["algorithm", "A"]).loc[("FL+FSDP", 1), "/ FSDP"] == pytest.approx(0.9)
-
-
-def test_every_lr_of_the_grid_is_paired():
-    """The five claims at each lr (every algorithm at it): FL+FSDP / FSDP is inconclusive at the
-    shared 1e-2 and reproduced at 3e-3 (0.8 x 500 against 1.2 x 500)."""
-    st = Study(synthetic())
-    table = by_lr(st, paper.load()).set_index("claim")
-    assert list(table.columns) == ["paper", "lr 0.003", "lr 0.01 (shared)"]
-    row = table.loc["FL+FSDP reaches a lower eval perplexity than FSDP"]
-    assert row["lr 0.01 (shared)"].endswith("inconclusive") and row["lr 0.003"].endswith("reproduced")
-    assert row["lr 0.003"].startswith("1.494")  # 1.2 / 0.8 x (1 + 2%) by seed: the geometric mean
-    found = findings(st, paper.load())
-    assert "fp32, lr 0.003 (all)" in set(found.loc[found["family"] == "exploratory", "setting"])
+    assert fr.set_index(["algorithm", "A"]).loc[("FL+FSDP", "1"), "/ FSDP"] == pytest.approx(0.9)
+    by_lr = pd.read_csv(tmp_path / "findings_by_lr.csv").set_index("claim")
+    assert list(by_lr.columns) == ["paper", "lr 0.003", "lr 0.01 (shared)"]  # lr 0.03 not run: no column
+    row = by_lr.loc["FL+FSDP reaches a lower eval perplexity than FSDP"]
+    assert row["lr 0.01 (shared)"].endswith("inconclusive") and row["lr 0.003"].startswith(
+        "1.494"
+    )  # 1.2 / 0.8 x (1 + 2%)
+    text = (tmp_path / "report.md").read_text()
+    assert "1.0 min" in text and (tmp_path / "frontier.png").stat().st_size > 0 and (tmp_path / "drift.png").exists()
+    assert "Tables 3-4 (tiny_repro)" in text  # not made: no run directory
 
 
 def test_too_few_seeds_give_no_verdict(tmp_path):
     """With 2 seeds (CI's reduced study has 1) every direction is n/a, even where both seeds agree by far
-    (FL+HSDP 300 against HSDP 500), and the report says so instead of failing."""
-    st = Study([r for r in synthetic() if r.seed < 2])
-    found = findings(st, paper.load())
+    (FL+HSDP 300 against HSDP 500)."""
+    from analysis.study import findings, frame
+
+    study = load(SCIENCE)
+    found = findings(frame([r for r in synthetic() if r.seed < 2], study), study, paper.load())
     assert (found["direction"] == TOO_FEW).all() and (found["size"] == "n/a").all()
-    primary = found[found["family"] == "primary"].set_index("claim")
-    assert primary.loc["FL+HSDP reaches a lower eval perplexity than HSDP", "ratio"] == pytest.approx(500 / 300)
-    text = report(st, paper.load(), tmp_path, "test", None).read_text()
-    primary_md = text.split("## The primary family")[1].split("## What holds")[0]
-    assert "Fewer than 3 seeds: no verdicts" in primary_md and primary_md.count(TOO_FEW) == 5
-    assert "reproduced" not in primary_md
+    assert found.loc[0, "ratio"] == pytest.approx(500 / 300)
 
 
-def test_report_writes_every_part(tmp_path):
-    path = report(Study(synthetic()), paper.load(), tmp_path, "test", 60.0)
-    text = path.read_text()
-    for heading in (
-        "## The primary family",
-        "## What holds at which learning rate (exploratory)",
-        "## Exploratory comparisons",
-        "## Precision",
-        "## Batch-matched control",
-        "## Learning rate",
-        "## Perplexity against time: A at each algorithm's F (exploratory)",
-        "## Limitations",
-    ):
-        assert heading in text
-    assert "picked on the same seeds" in text
-    assert (tmp_path / "frontier.png").stat().st_size > 0 and (tmp_path / "drift.png").exists()
-    assert "1.0 min" in text
-    # per-run numbers: one row per run, the columns the verdicts are computed from
-    runs = pd.read_csv(tmp_path / "runs.csv", keep_default_na=False)
-    assert len(runs) == len(synthetic()) and list(runs.columns[: len(RUN_COLUMNS)]) == RUN_COLUMNS
-    assert list(runs["eval_loss"].astype(float).map(math.exp)) == pytest.approx(
-        list(runs["eval_perplexity"].astype(float))
-    )
-    # the frontier varies A at each algorithm's F and judges nothing
-    frontier_md = text.split("## Perplexity against time")[1].split("## Limitations")[0]
-    assert not any(w in frontier_md for w in ("reproduced", "opposite", "verdict", "trades"))
+def test_a_run_with_a_schedule_is_a_point_of_its_own_on_the_frontier():
+    """algorithm.every as a schedule ([[0, 1], [4, 8]]): read, and its own point (it crashed the
+    study once: int(list))."""
+    from analysis.science_pieces import frontier
+    from analysis.study import frame
 
-
-def test_a_run_with_a_schedule_is_read_and_leaves_the_base_a_alone(tmp_path):
-    """algorithm.every as a schedule ([[0, 1], [4, 8]]) in the study's runs: read, never taken for
-    the base A (an integer: 8 here), and its own configuration (it crashed the study: int(list))."""
-    runs = synthetic() + [_run("fl_fsdp", s, 480.0, every=[[0, 1], [4, 8]], network="netns") for s in range(5)]
-    st = Study(runs)
-    assert st.every == 8
-    assert len(st.select("fl_fsdp", every="[[0, 1], [4, 8]]", network="netns")) == 5
-    assert report(st, paper.load(), tmp_path / "report", "test", None).exists()
+    study = load(SCIENCE)
+    runs = synthetic()
+    point = "algorithm.every=[[0,1],[4,8]],algorithm=fl_fsdp,topology=netns_4x2"
+    runs += [_run("frontier", point, "fl_fsdp", s, 480.0, every=[[0, 1], [4, 8]]) for s in range(5)]
+    fr = frontier(frame(runs, study), ["tiny_repro", "frontier"])
+    assert "[[0, 1], [4, 8]]" in set(fr["A"]) and 8 in set(fr["A"])
 
 
 def test_the_frontier_figure_draws_every_point_and_label_apart():
     """The committed study's frontier (5 A at F = 4 and at F = 2, FSDP and HSDP): no A label over
     another, and HSDP, at the time of FL+FSDP's A = 1, drawn as its own marker on top."""
-    from analysis.science import frontier_figure
+    from analysis.science_pieces import frontier_figure
 
-    table = pd.read_csv(ROOT / "experiments" / "science" / "frontier.csv", dtype={"A": str})
+    table = pd.read_csv(SCIENCE / "frontier.csv", dtype={"A": str})
     fig = frontier_figure(table, "netns")
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()

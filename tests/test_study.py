@@ -208,6 +208,12 @@ def comparisons_of(data: dict, i: int) -> list:
             "pieces.reruns: arguments phase; it takes phase, of, metric",
         ),
         (lambda d: d["beside"][0].update(rows=[0, 1]), "beside.rows: 2 rows for family primary's 4 comparisons"),
+        (
+            lambda d: d.update(pieces=[{"drift": {"pairs": [["fsdp", "fsdp-bf16"]]}}]),
+            "pieces.drift: no arm 'fsdp-bf16'",
+        ),
+        (lambda d: d.update(pieces=[{"by_lr": {"families": ["primry"]}}]), "pieces.by_lr: 'primry' is not a family"),
+        (lambda d: d["families"][0].update(metric="loss"), "families.primary.metric: 'loss'; one of eval_perplexity"),
     ],
 )
 def test_a_bad_spec_is_refused_naming_the_key_and_the_fix(tmp_path, change, words):
@@ -388,3 +394,45 @@ def test_a_run_that_is_two_arms_is_one_row_of_runs_csv_and_its_losses_once(tmp_p
     assert not got["run"].str.startswith("/").any()
     runs_csv = pd.read_csv(tmp_path / "runs.csv")
     assert len(runs_csv) == len(made) and "fl_fsdp+fl_fsdp-shared" in set(runs_csv["arm"])
+
+
+SCIENCE = ROOT / "experiments" / "science"
+
+
+def science_runs(study) -> pd.DataFrame:
+    """experiments/science/runs.csv (its module's: every run's path as the old runner named it, no
+    phase; `every` and `update_batch` for the frame's A and sequences_per_group), each run's phase and
+    id from its path (OUT/runs/PART/<the point's overrides>), and no training losses (none committed)."""
+    df = pd.read_csv(SCIENCE / "runs.csv").rename(columns={"every": "A", "update_batch": "sequences_per_group"})
+    df["phase"] = [Path(r).parts[-2] for r in df["run"]]
+    df["run"] = ["/".join(Path(r).parts[-2:]) for r in df["run"]]
+    return placed_arms(df.assign(step=[[]] * len(df), loss=[[]] * len(df)), study)
+
+
+PRIMARY = "primary: fp32, shared lr 0.01"  # the old findings.csv: setting "fp32, shared lr 0.01"
+
+
+def test_the_science_report_made_again_from_its_committed_runs_has_the_committed_numbers(tmp_path):
+    """The tiny study's spec (experiments/science/study.yaml) on its committed per-run numbers: every
+    finding (the judged primary family, the explored lrs, bf16, best lrs and time claims), the claims
+    by lr, the lr table, the frontier and the batch controls as analysis/science.py committed them;
+    drift.csv's ratios (its training-loss columns need the per-step losses, which were not committed)."""
+    from analysis.study_report import report
+
+    study = load(SCIENCE)
+    df = science_runs(study)
+    assert df["run"].nunique() == 126 and (df["arm"] != "?").all() and not df["run"].duplicated().any()
+    out = tmp_path / "report"
+    report(df, study, paper.load(), out, "test", None, tmp_path / "runs")
+    new = pd.read_csv(out / "findings.csv")
+    old = pd.read_csv(SCIENCE / "findings.csv")
+    new["setting"] = new["family"].replace({PRIMARY: "fp32, shared lr 0.01"})
+    assert len(new) == len(old) == 28 and set(new["setting"]) == set(old["setting"])  # best lr now after the times
+    new, old = new.set_index(["setting", "claim"]), old.set_index(["setting", "claim"])
+    old = old.loc[new.index]
+    wording = ("family", "comparison", "runs [CI]")  # the old family (primary/exploratory) is the level's
+    assert_same_table(new.reset_index(), old.reset_index(), but=wording)
+    for name in ("findings_by_lr", "lr", "frontier", "batch_control"):
+        assert_same_table(pd.read_csv(out / f"{name}.csv"), pd.read_csv(SCIENCE / f"{name}.csv"))
+    losses_ = [c for c in pd.read_csv(SCIENCE / "drift.csv").columns if "train-loss" in c or "last step" in c]
+    assert_same_table(pd.read_csv(out / "drift.csv"), pd.read_csv(SCIENCE / "drift.csv"), but=tuple(losses_))
