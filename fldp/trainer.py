@@ -44,8 +44,9 @@ from .schedule import aggregation_steps
 from .step import PhaseTimer, TrainingState, TrainStep, step_row  # noqa: F401  (PhaseTimer: fldp.simulate's)
 
 
-def build_optimizer(model, opt_cfg: OptimizerConfig):
-    """optimizer.name's torch optimiser (its spec admits adamw and sgd only)."""
+def build_optimizer(model, opt_cfg: OptimizerConfig, fused: bool = False):
+    """optimizer.name's torch optimiser (its spec admits adamw and sgd only); `fused`: AdamW's one
+    kernel a parameter (the same arithmetic, rounded within ~1e-7 of the loop's: the simulator's)."""
     if opt_cfg.name == "adamw":
         # torch wants float betas; Hydra reads `optimizer.betas=[0,0]` as ints
         return torch.optim.AdamW(
@@ -53,6 +54,7 @@ def build_optimizer(model, opt_cfg: OptimizerConfig):
             lr=opt_cfg.lr,
             betas=(float(opt_cfg.betas[0]), float(opt_cfg.betas[1])),
             weight_decay=opt_cfg.weight_decay,
+            fused=fused or None,
         )
     return torch.optim.SGD(
         model.parameters(), lr=opt_cfg.lr, momentum=opt_cfg.momentum, weight_decay=opt_cfg.weight_decay
