@@ -20,5 +20,10 @@ def test_english_pd_is_built_as_pinned_and_holds_two_paper_shape_runs(tmp_path):
     assert built(CORPORA["english_pd"], out) == []
     train_tokens = int(re.search(r"^\| train \| \d+ \| \d+ \| (\d+) \|", (out / "README.md").read_text(), re.M)[1])
     assert train_tokens >= 2 * 64 * 1024 * 16  # the ladder's largest run: 64 steps of 1,024 16-token blocks
+    # built already: left as it is (a run may be reading it), not written again
+    stamp = (out / "train.jsonl.gz").stat().st_mtime_ns
+    again = subprocess.run(["fldp-corpus", "english_pd", "--out", str(out)], capture_output=True, text=True)
+    assert again.returncode == 0 and "is built" in again.stdout, again.stderr[-2000:]
+    assert (out / "train.jsonl.gz").stat().st_mtime_ns == stamp
     (out / "validation.jsonl.gz").write_bytes(b"")
     assert [w.split(":")[0] for w in built(CORPORA["english_pd"], out)] == [str(out / "validation.jsonl.gz")]
