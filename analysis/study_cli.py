@@ -21,7 +21,7 @@ from datetime import datetime
 from pathlib import Path
 
 from .spec import SpecError, Study, load
-from .study_run import run, stamp, status_lines
+from .study_run import changed_runs, run, stamp, status_lines
 
 # the analysis's imports (pandas, scipy, matplotlib, fldp's records) wait until the spec and the
 # arguments are checked: a refusal comes in a fraction of a second
@@ -36,7 +36,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("rest", nargs="*", metavar="OUT|KEY=VALUE", help="the study's directory; overrides (run)")
     p.add_argument("--reduced", action="store_true", help="the spec's reduced pipeline (CI)")
     p.add_argument("--until", metavar="PHASE", help="run: stop after this phase")
-    p.add_argument("--allow-changed-spec", action="store_true", help="run: go on in an OUT run under another spec")
+    p.add_argument(
+        "--allow-changed-spec",
+        action="store_true",
+        help="run: go on in an OUT run under another spec; report: judge runs made under another (said so)",
+    )
     p.add_argument("--allow-mixed", action="store_true", help="pool runs of different fldp commits")
     p.add_argument(
         "--banked",
@@ -112,6 +116,14 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(status_lines(study, out, args.reduced, decider(study)(out))))
         return 0
     if args.command == "report":
+        if (changed := changed_runs(study, out)) and not args.allow_changed_spec:
+            made = ", ".join(f"{n} under sha256 {sha[:12]}" for sha, n in changed.items())
+            print(
+                f"{PROG}: {out}: runs made under another version of the spec ({made}; now {study.sha256[:12]}): "
+                "nothing judged. Pass --allow-changed-spec to judge them (the report says so)",
+                file=sys.stderr,
+            )
+            return 2
         return write_report(study, out, args.allow_mixed, shown(argv), args.banked)
     refused = stamp(study, out, args.allow_changed_spec)
     if refused:

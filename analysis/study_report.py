@@ -19,7 +19,7 @@ from .render import markdown  # noqa: E402
 from .runs_frame import changed, displayed, losses, plan_quote  # noqa: E402
 from .spec import Study  # noqa: E402
 from .study import decided_seeds, findings, pilot, seconds_per_run  # noqa: E402
-from .study_run import STAMP  # noqa: E402
+from .study_run import STAMP, changed_runs  # noqa: E402
 
 
 def committed_primary(directory: Path) -> pd.DataFrame:
@@ -186,6 +186,9 @@ def spec_line(study: Study, runs_dir: Path) -> str:
     line = f"The spec: `{study.name}` sha256 {study.sha256[:12]}"
     if then and then != study.sha256:
         line += f"; the runs were made under another version of it (sha256 {then[:12]}): read with that in mind"
+    if changed := changed_runs(study, runs_dir.parent):
+        made = ", ".join(f"{n} under sha256 {sha[:12]}" for sha, n in changed.items())
+        line += f"; runs made under other versions of it, judged as told (--allow-changed-spec): {made}"
     return line + ".\n"
 
 

@@ -15,6 +15,7 @@ from .arms import arms_of, overrides_of, resolved, shown
 from .spec import Phase, Study
 
 STAMP = "study.json"
+RUN_STAMP = "spec.json"  # beside a run's records: the hash of the spec it was made under
 
 
 def phase_seeds(
@@ -84,6 +85,28 @@ def stamp(study: Study, out: Path, allow_changed: bool) -> str | None:
     return None
 
 
+def stamp_runs(study: Study, phase_dir: Path) -> None:
+    """Each finished run of the phase without a stamp gets this spec's hash (a run skipped as
+    finished keeps the hash it was made under)."""
+    for summary in phase_dir.glob("*/summary.json"):
+        path = summary.parent / RUN_STAMP
+        if not path.exists():
+            path.write_text(json.dumps({"study": study.name, "sha256": study.sha256}) + "\n")
+
+
+def changed_runs(study: Study, out: Path) -> dict[str, int]:
+    """Runs of OUT made under another version of the spec: {its sha256: how many}. A run without a
+    stamp (made before runs had one) counts as made under OUT's study.json."""
+    whole = json.loads((out / STAMP).read_text())["sha256"] if (out / STAMP).exists() else study.sha256
+    found: dict[str, int] = {}
+    for summary in (out / "runs").glob("*/*/summary.json"):
+        path = summary.parent / RUN_STAMP
+        sha = json.loads(path.read_text())["sha256"] if path.exists() else whole
+        if sha != study.sha256:
+            found[sha] = found.get(sha, 0) + 1
+    return found
+
+
 def elapsed(out: Path, seconds: float) -> float:
     """The study's wall time so far, this part's added (a study run in parts: their sum)."""
     path = out / "elapsed_s"
@@ -115,6 +138,7 @@ def run_phase(study: Study, out: Path, phase: Phase, arms: dict, seeds: dict, ex
         )
         every = [*phase.overrides, *extra]
         status |= subprocess.run(command(study, out, phase.name, overrides, batch_seeds, every)).returncode != 0
+        stamp_runs(study, out / "runs" / phase.name)
     return status
 
 

@@ -4,6 +4,7 @@ seed rule and its budget, a report made again from an earlier one's numbers, and
 before anything runs. A spec's pipeline end to end is CI's reduced run (`fldp-study run SPEC
 --reduced`, .ci/run)."""
 
+import json
 import math
 import subprocess
 import sys
@@ -247,6 +248,26 @@ def test_a_study_run_under_another_spec_is_refused_unless_asked(tmp_path):
     proc = subprocess.run([FLDP_STUDY, "run", str(PRECISION), str(out), "--reduced"], capture_output=True, text=True)
     assert proc.returncode == 2 and "--allow-changed-spec" in proc.stderr, proc.stderr
     assert sorted(p.name for p in out.iterdir()) == ["study.json"]
+
+
+def test_every_run_records_its_specs_hash_and_a_report_refuses_other_hashes_unless_asked(tmp_path):
+    from analysis.study_run import RUN_STAMP, changed_runs, stamp_runs
+
+    study, out = load(PRECISION), tmp_path / "out"
+    for name, sha in (("old", "0123456789ab"), ("new", None), ("running", None)):
+        run = out / "runs" / "judge" / name
+        run.mkdir(parents=True)
+        if name != "running":  # a run still going has no summary.json, and no stamp yet
+            (run / "summary.json").write_text("{}")
+        if sha:
+            (run / RUN_STAMP).write_text(json.dumps({"study": "precision", "sha256": sha}))
+    stamp_runs(study, out / "runs" / "judge")
+    stamped = {p.parent.name: json.loads(p.read_text())["sha256"] for p in out.glob(f"runs/judge/*/{RUN_STAMP}")}
+    assert stamped == {"old": "0123456789ab", "new": study.sha256}
+    assert changed_runs(study, out) == {"0123456789ab": 1}
+    proc = subprocess.run([FLDP_STUDY, "report", str(PRECISION), str(out)], capture_output=True, text=True)
+    assert proc.returncode == 2 and "1 under sha256 0123456789ab" in proc.stderr, proc.stderr
+    assert "--allow-changed-spec" in proc.stderr and not (out / "report").exists()
 
 
 def test_until_names_a_phase_of_the_spec(tmp_path):
