@@ -99,7 +99,10 @@ def test_help_lists_the_groups_and_examples(installed, tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     (algorithms,) = [line for line in out.stdout.splitlines() if line.startswith("algorithm: ")]
     assert {"fsdp", "hsdp", "fl_fsdp", "fl_hsdp"} <= set(algorithms.removeprefix("algorithm: ").split(", "))
-    assert "topology: " in out.stdout and "model: ladder_1, ladder_2, ladder_3, llama3_1_8b, tiny_llama" in out.stdout
+    assert (
+        "topology: " in out.stdout
+        and "model: ladder_1, ladder_2, ladder_3, ladder_4, llama3_1_8b, tiny_llama" in out.stdout
+    )
     examples = out.stdout.split("== Examples ==")[1].split("==")[0]
     assert sum(line.strip().startswith("fldp-train") for line in examples.splitlines()) >= 5
 
