@@ -32,6 +32,7 @@ from __future__ import annotations
 import bisect
 import collections
 import contextlib
+import dataclasses
 import hashlib
 import re
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from .buckets import Bucket, bucket_indices  # noqa: F401  (fldp.cost uses bucket_indices)
-from .config import default_of
+from .config import AlgorithmConfig, FedAvgSection, default_of, section_of
 from .mesh import ConfigError, MeshShape
 from .outer import OUTER_DEFAULTS, OuterConfig, OuterState  # noqa: F401  (OUTER_DEFAULTS: for its users)
 from .quantize import codec_of
@@ -124,40 +125,30 @@ class FedAvgConfig:
         }
 
     @classmethod
-    def from_algorithm(cls, algorithm_cfg) -> FedAvgConfig | None:
-        """None for the algorithms that aggregate nothing (`aggregation: null`: fsdp, hsdp)."""
-        kind = algorithm_cfg.get("aggregation")
-        if kind is None:
+    def from_algorithm(cls, algorithm) -> FedAvgConfig | None:
+        """None for the algorithms that aggregate nothing (`aggregation: null`: fsdp, hsdp).
+        `algorithm`: the typed section (fldp.config.load), or a composed one."""
+        alg = algorithm if isinstance(algorithm, AlgorithmConfig) else section_of(AlgorithmConfig, algorithm)
+        if alg.aggregation is None:
             return None
-        if kind != "fedavg" or "federation" not in (algorithm_cfg.get("dims") or []):
+        if alg.aggregation != "fedavg" or "federation" not in (alg.dims or []):
             raise ConfigError(
-                f"algorithm.aggregation={kind!r}: must be null, or fedavg for an algorithm with a "
-                f"federation dimension (algorithm.dims={list(algorithm_cfg.get('dims') or [])})"
+                f"algorithm.aggregation={alg.aggregation!r}: must be null, or fedavg for an algorithm with a "
+                f"federation dimension (algorithm.dims={list(alg.dims or [])})"
             )
-        from omegaconf import OmegaConf
-
-        fedavg = algorithm_cfg.get("fedavg") or {}
-        outer = (
-            cast(dict, OmegaConf.to_container(algorithm_cfg.outer, resolve=True)) if algorithm_cfg.get("outer") else {}
-        )
-        if "betas" in outer:
-            outer["betas"] = tuple(outer["betas"]) if isinstance(outer["betas"], (list, tuple)) else outer["betas"]
-        every = algorithm_cfg.every
-        every = OmegaConf.to_container(every) if OmegaConf.is_config(every) else every
-        if every is None:
+        if alg.every is None:
             raise ConfigError(
                 "algorithm.aggregation=fedavg needs algorithm.every (an integer A >= 1, or a schedule "
                 "[[0, A0], [step1, A1], ...]); it is null"
             )
-        federate = algorithm_cfg.get("federate") or [".*"]
-        federate = tuple(cast(list, OmegaConf.to_container(federate)) if OmegaConf.is_config(federate) else federate)
+        fedavg = alg.fedavg or FedAvgSection()
         return cls(
-            every=every,
-            mode=fedavg.get("mode", default_of("algorithm.fedavg.mode")),
-            bucket_mb=fedavg.get("bucket_mb", default_of("algorithm.fedavg.bucket_mb")),
-            outer=OuterConfig(**outer),
-            federate=federate,
-            streaming=StreamingConfig.from_algorithm(algorithm_cfg),
+            every=alg.every,
+            mode=fedavg.mode,
+            bucket_mb=fedavg.bucket_mb,
+            outer=alg.outer,
+            federate=tuple(alg.federate or [".*"]),
+            streaming=StreamingConfig(**dataclasses.asdict(alg.streaming)),
         )
 
 

@@ -14,6 +14,7 @@ default says what its absence means. No torch, no Hydra: a refused config costs 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -593,3 +594,34 @@ def typed(cls: type, section: Any, prefix: str) -> Any:
     made = cls(**dict(section))
     _refuse(check_fields(made, prefix))
     return made
+
+
+def build(cls: type, values: dict) -> Any:
+    """A typed config from plain values (a section's own typed config for each nested mapping, its
+    default for each absent key). No checks beyond the sections' own: fldp.schema checked the whole."""
+    kwargs, known = {}, {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ConfigError(f"{', '.join(unknown)}: not keys of {cls.__name__} ({', '.join(known)})")
+    for name, value in values.items():
+        nested = known[name].metadata.get("section")
+        kwargs[name] = build(nested, value) if nested is not None and isinstance(value, dict) else value
+    return cls(**kwargs)
+
+
+def section_of(cls: type, raw: Any) -> Any:
+    """A composed section (a DictConfig or a mapping) as its typed config, built (`build`); a
+    composed config's `hydra` node is Hydra's, not the run's."""
+    if hasattr(raw, "_metadata"):  # an OmegaConf node
+        from omegaconf import OmegaConf
+
+        raw = OmegaConf.to_container(raw, resolve=True)
+    return build(cls, {k: v for k, v in dict(raw).items() if not (cls is Config and k == "hydra")})
+
+
+def load(raw: Any) -> Config:
+    """The composed config (a DictConfig or a mapping), resolved, as the typed `Config`: built once,
+    after the schema's check, and what the run's components read."""
+    if isinstance(raw, Config):
+        return raw
+    return section_of(Config, raw)

@@ -33,7 +33,7 @@ from torch.func import functional_call, vmap
 
 from . import stacked_attention
 from .aggregation import FedAvgConfig, fragment_fields
-from .config import OptimizerConfig, typed
+from .config import Config, load
 from .data import Blocks, WorldBatches
 from .errors import ConfigError
 from .mesh import mesh_shape
@@ -113,44 +113,47 @@ def rank_gradients(loss, groups: dict[str, torch.Tensor], ranks: torch.Tensor):
     return torch.cat(losses, dim=1), {n: torch.cat(g, dim=1) for n, g in blocks.items()}
 
 
-def noise_fields(cfg, loss, groups: dict[str, torch.Tensor], x: torch.Tensor, step: int) -> dict:
+def noise_fields(
+    every: int | None, batch: int, loss, groups: dict[str, torch.Tensor], x: torch.Tensor, step: int
+) -> dict:
     """cluster.noise_scale_every: the gradient noise scale at group 0's weights before the step, on
-    every rank's batch of the step x [F, ..., T] (fldp/noise_scale.py), at step 1 and every that many."""
-    every = cfg.cluster.get("noise_scale_every")
+    every rank's batch (trainer.batch_size sequences) of the step x [F, ..., T] (fldp/noise_scale.py),
+    at step 1 and every that many."""
     if not every or (step != 1 and step % every):
         return {}
-    parts = x.reshape(1, -1, cfg.trainer.batch_size, x.shape[-1])  # [1, world, batch, T]
+    parts = x.reshape(1, -1, batch, x.shape[-1])  # [1, world, batch, T]
     _, grads = rank_gradients(loss, {n: p[:1] for n, p in groups.items()}, parts)
-    return estimate([g[0] for g in grads.values()], cfg.trainer.batch_size)
+    return estimate([g[0] for g in grads.values()], batch)
 
 
 class Simulation:
     """One run: the model, its F stacked groups, the optimiser, and the aggregation."""
 
     def __init__(self, cfg, blocks: Blocks, device: torch.device):
-        self.cfg, self.blocks, self.device = cfg, blocks, device
+        # conf: the typed config it reads; cfg: as composed, for the records
+        self.cfg, self.conf, self.blocks, self.device = cfg, load(cfg), blocks, device
+        conf: Config = self.conf
         self.shape = shape = mesh_shape(cfg)
         self.steps = total_steps(cfg, blocks, shape.world)
         model = build_model(llama_config(cfg.model, blocks.vocab_size), device)
         # every group's attention one call: in fp32 bit for bit sdpa's; not the ring's (its bf16 kernel
         # blocks a larger batch otherwise, and the ring is the trainer's bf16 to the bit, group by group)
-        once = cfg.cluster.get("reductions", "once") == "once"
-        if device.type == "cpu" and once and cfg.cluster.get("stacked_attention", True):
+        once = conf.cluster.reductions == "once"
+        if device.type == "cpu" and once and conf.cluster.stacked_attention:
             model.config._attn_implementation = stacked_attention.register()
         for p in model.parameters():  # pure low precision, as fldp.model.parallelize
-            p.data = p.data.to(DTYPES[cfg.trainer.precision])
-        init_weights(model, device, cfg.seed)
+            p.data = p.data.to(DTYPES[conf.trainer.precision])
+        init_weights(model, device, conf.seed)
         self.model, self.buffers = model, dict(model.named_buffers())
         self.groups = Groups(model, shape.federation)
-        opt_cfg = typed(OptimizerConfig, cfg.optimizer, "optimizer")
         # fused: 8-10x faster over F stacked copies than the loop; the ring keeps the trainer's loop (to the bit)
-        self.optimizer = build_optimizer(self.groups, opt_cfg, once and bool(cfg.cluster.get("fused_adamw", True)))
-        self.scheduler = build_scheduler(self.optimizer, opt_cfg, self.steps)
-        self.fedavg = FedAvgConfig.from_algorithm(cfg.algorithm)
-        self.clip_norm = cfg.optimizer.get("clip_norm")
+        self.optimizer = build_optimizer(self.groups, conf.optimizer, once and conf.cluster.fused_adamw)
+        self.scheduler = build_scheduler(self.optimizer, conf.optimizer, self.steps)
+        self.fedavg = FedAvgConfig.from_algorithm(conf.algorithm)
+        self.clip_norm = conf.optimizer.clip_norm
         # the trainer's buckets and their arithmetic, for the groups stacked (fldp.stacked)
         # cluster.reductions=ring: each rank's gradient, every reduction summed along the ring (fldp/ring.py)
-        self.ring = cfg.cluster.get("reductions", "once") == "ring"
+        self.ring = conf.cluster.reductions == "ring"
         self.reduce_dtype = fsdp_reduce_dtype(cfg)  # ring only (fldp.train refuses it else)
         groups = self.groups.by_name()
         self.federation = StackedFedAvg(self.fedavg, groups, shape.shard, self.ring) if self.fedavg else None
@@ -183,8 +186,8 @@ class Simulation:
     def batches(self):
         """Every step, each group's sequences [F, R*S*batch, T]: the batches of its ranks as each
         rank of the distributed trainer reads them (ranks r // (R*S) = g, in rank order)."""
-        cfg = self.cfg
-        for x in WorldBatches(self.blocks.train, cfg.trainer.batch_size, self.shape.world, cfg.seed).stream():
+        conf = self.conf
+        for x in WorldBatches(self.blocks.train, conf.trainer.batch_size, self.shape.world, conf.seed).stream():
             yield x.reshape(self.shape.federation, -1, x.shape[-1]).to(self.device)
 
     def exchange(self, due: Exchange) -> None:
@@ -195,16 +198,16 @@ class Simulation:
     def held_out(self, ranks: int) -> torch.Tensor:
         """The held-out sequences `ranks` ranks score in the trainer's evaluation (each rank its
         RankBatches slice, unshuffled, up to trainer.eval_batches), in another order: the mean is the same)."""
-        cfg, out = self.cfg, []
-        held_out = WorldBatches(self.blocks.eval, cfg.trainer.batch_size, ranks, cfg.seed, shuffle=False)
+        trainer, out = self.conf.trainer, []
+        held_out = WorldBatches(self.blocks.eval, trainer.batch_size, ranks, self.conf.seed, shuffle=False)
         for i, x in enumerate(held_out.epoch(0)):
-            if cfg.trainer.eval_batches is not None and i >= cfg.trainer.eval_batches:
+            if trainer.eval_batches is not None and i >= trainer.eval_batches:
                 break
             out.append(x.flatten(0, 1))
         if not out:
             raise ConfigError(
                 f"dataset.eval_blocks: {len(self.blocks.eval)} held-out blocks are too few for "
-                f"one batch of {cfg.trainer.batch_size} on each of {ranks} ranks"
+                f"one batch of {trainer.batch_size} on each of {ranks} ranks"
             )
         return torch.cat(out).to(self.device)
 
@@ -269,14 +272,16 @@ class Simulation:
         return row
 
     def run(self, run_dir: str) -> dict:
-        cfg, shape, steps = self.cfg, self.shape, self.steps
-        tokens_per_step = shape.world * cfg.trainer.batch_size * self.blocks.train.shape[1]
-        recorder = Recorder(run_dir, cfg, steps, cfg.trainer.progress)
+        trainer, shape, steps = self.conf.trainer, self.shape, self.steps
+        tokens_per_step = shape.world * trainer.batch_size * self.blocks.train.shape[1]
+        recorder = Recorder(run_dir, self.cfg, steps, trainer.progress)
+        noise_every = self.conf.cluster.noise_scale_every
         batches, train_time, row = self.batches(), 0.0, {}
         timer = PhaseTimer(self.device)  # the trainer's laps: on CUDA, synchronised at each boundary
         for step in range(1, steps + 1):
             x = next(batches)
-            noise = noise_fields(cfg, vmap(vmap(self._loss)), self.groups.by_name(), x, step)  # off the clock
+            loss = vmap(vmap(self._loss))
+            noise = noise_fields(noise_every, trainer.batch_size, loss, self.groups.by_name(), x, step)  # off the clock
             timer.start()
             lr = self.scheduler.get_last_lr()[0]
             if self.ring:  # forward and backward in one call: the time is the backward's
@@ -303,13 +308,13 @@ class Simulation:
                 row["grad_norm"] = norms.tolist()
             train_time += row["time_step"]
             recorder.log(row)
-            if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step != steps:
+            if trainer.eval_every and step % trainer.eval_every == 0 and step != steps:
                 synced = self.fedavg is not None and due.synced(self.fedavg.streaming.fragments)
                 recorder.log(self.eval_row(step, self.fedavg is not None and not synced))
         final = self.eval_row(steps, groups_differ=False)
         recorder.log(final)
         summary = run_summary(
-            cfg,
+            self.cfg,
             shape,
             self.fedavg,
             steps,
@@ -344,7 +349,8 @@ def keep_freed_memory(keep: bool = True) -> bool:
 
 def run(cfg, run_dir: str, blocks: Blocks) -> dict:
     """`cluster=simulate`: the whole run in this process."""
-    if cfg.cluster.threads:
-        torch.set_num_threads(cfg.cluster.threads)
-    keep_freed_memory(bool(cfg.cluster.get("keep_freed_memory", True)))
-    return Simulation(cfg, blocks, torch.device(cfg.cluster.device)).run(run_dir)
+    cluster = load(cfg).cluster
+    if cluster.threads:
+        torch.set_num_threads(cluster.threads)
+    keep_freed_memory(cluster.keep_freed_memory)
+    return Simulation(cfg, blocks, torch.device(cluster.device)).run(run_dir)

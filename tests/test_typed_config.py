@@ -83,3 +83,60 @@ def test_the_compressions_offered_are_the_codecs_there_are():
         codec = CODECS[kind](kind, 4)
         for method in ("chunk", "wire_bytes", "mean", "all_reduce_mean", "residual"):
             assert callable(getattr(codec, method)), (kind, method)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["algorithm=fl_hsdp", "cluster=simulate"],
+        ["algorithm=diloco_hsdp", "topology=leonardo_512", "cluster=leonardo", "cluster.account=x"],
+        ["algorithm=fl_fsdp", "algorithm.streaming.fragments=2", "algorithm.outer.name=adam"],
+    ],
+)
+def test_the_loaded_config_holds_every_composed_value_and_the_declared_default_of_each_absent_key(overrides):
+    """fldp.config.load: the run's typed config, read key by key against the composition itself."""
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    schema.check(cfg)
+    loaded = config.load(cfg)
+    composed = OmegaConf.to_container(cfg, resolve=True)
+    outer = config.OUTER_DEFAULTS[loaded.algorithm.outer.name]
+    checked = 0
+    for key, spec in config.KEYS.items():
+        if isinstance(spec, Section) or any(_has(composed, p) and _at(composed, p) is None for p in _parents(key)):
+            continue
+        value = _attr(loaded, key)
+        if _has(composed, key) and not (key.startswith("algorithm.outer.") and _at(composed, key) is None):
+            expected = _at(composed, key)
+        elif key.startswith("algorithm.outer.") and key.split(".")[-1] in outer:
+            expected = outer[key.split(".")[-1]]  # OuterConfig's null lr / eps mean its optimiser's
+        else:
+            expected = config.default_of(key) if spec.default is not REQUIRED else REQUIRED
+        assert (list(value) if isinstance(value, tuple) else value) == expected, key
+        checked += 1
+    assert checked > 100
+
+
+def _has(tree: dict, key: str) -> bool:
+    for part in key.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return False
+        tree = tree[part]
+    return True
+
+
+def _parents(key: str) -> list[str]:
+    parts = key.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _attr(obj, key: str):
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def test_loading_refuses_a_key_the_typed_config_lacks():
+    with pytest.raises(ConfigError, match="colour: not keys of TrainerConfig"):
+        config.build(config.TrainerConfig, {"steps": 3, "colour": "red"})
