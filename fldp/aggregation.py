@@ -32,7 +32,6 @@ from __future__ import annotations
 import bisect
 import collections
 import contextlib
-import dataclasses
 import hashlib
 import re
 from dataclasses import dataclass, field
@@ -128,7 +127,7 @@ class FedAvgConfig:
     def from_algorithm(cls, algorithm) -> FedAvgConfig | None:
         """None for the algorithms that aggregate nothing (`aggregation: null`: fsdp, hsdp).
         `algorithm`: the typed section (fldp.config.load), or a composed one."""
-        alg = algorithm if isinstance(algorithm, AlgorithmConfig) else section_of(AlgorithmConfig, algorithm)
+        alg = section_of(AlgorithmConfig, algorithm)
         if alg.aggregation is None:
             return None
         if alg.aggregation != "fedavg" or "federation" not in (alg.dims or []):
@@ -148,7 +147,7 @@ class FedAvgConfig:
             bucket_mb=fedavg.bucket_mb,
             outer=alg.outer,
             federate=tuple(alg.federate or [".*"]),
-            streaming=StreamingConfig(**dataclasses.asdict(alg.streaming)),
+            streaming=StreamingConfig.from_algorithm(alg),
         )
 
 

@@ -119,13 +119,14 @@ def compose(overrides: list[str]):
     from hydra import initialize_config_dir
 
     from . import CONF, netns
+    from .config import load
     from .schema import check
     from .slurm import submits
 
     with initialize_config_dir(str(CONF), version_base="1.3"):
         cfg = hydra_compose("config", overrides=overrides)
     check(cfg)
-    netns.check(cfg, forks_locally=not submits(cfg))
+    netns.check(cfg, forks_locally=not submits(load(cfg).cluster))
     return cfg
 
 
@@ -374,13 +375,14 @@ def trainer_step(cfg, vocab_size: int, settings: Settings, device) -> dict:
 def _step_of(cfg, vocab_size: int, shape, device):
     """The trainer's model on `shape` and the run's optimizer: a function of the tokens that takes
     one step and gives its phases' seconds, timed as fldp.step.TrainStep times them."""
-    from .config import OptimizerConfig, typed
+    from .config import load
     from .mesh import build_mesh, group_mesh
     from .step import PhaseTimer
     from .trainer import build_optimizer, sharded_model
 
-    model = sharded_model(cfg, vocab_size, group_mesh(build_mesh(shape, device.type), shape), device)
-    optimizer = build_optimizer(model, typed(OptimizerConfig, cfg.optimizer, "optimizer"))
+    conf = load(cfg)
+    model = sharded_model(conf, vocab_size, group_mesh(build_mesh(shape, device.type), shape), device)
+    optimizer = build_optimizer(model, conf.optimizer)
     timer = PhaseTimer(device)
 
     def step(ids) -> dict:
@@ -549,11 +551,12 @@ def default_out() -> str:
 def run(cfg, settings: Settings, out: str) -> bool:
     """The measurement on this machine's forked ranks (in their namespaces on emulated nodes), or
     as one SLURM job; False when nothing was measured (a dry run)."""
+    from .config import load
     from .launch import run_local
     from .netns import from_config
     from .slurm import submits
 
-    if submits(cfg):
+    if submits(load(cfg).cluster):
         return _submit(cfg, settings, out)
     world = cfg.topology.nodes * cfg.topology.procs_per_node
     run_local(calibrate_rank, (cfg, settings, out), world, cfg.topology.device, cfg.cluster, from_config(cfg))
@@ -582,6 +585,7 @@ def _submit(cfg, settings: Settings, out: str) -> bool:
     """One job of topology.nodes x procs_per_node tasks, as fldp-train submits a run (fldp.slurm)."""
     from omegaconf import open_dict
 
+    from .config import load
     from .mesh import MeshShape
     from .slurm import follow, job_folder_of, job_parameters, sbatch_script, submit_job
 
@@ -592,7 +596,8 @@ def _submit(cfg, settings: Settings, out: str) -> bool:
         cfg.cluster.max_requeue = 0  # a measurement has no checkpoint to requeue from
         cfg.algorithm.name = "calibrate"  # the job's name: fldp-calibrate-<topology>
     if cfg.cluster.dry_run:
-        script = sbatch_script(job_parameters(cfg, shape), job_folder_of(cfg, run_dir))
+        conf = load(cfg)
+        script = sbatch_script(job_parameters(conf, shape), job_folder_of(conf.cluster, run_dir))
         print(f"fldp-calibrate: dry run (cluster={cfg.cluster.name}): nothing submitted\n{script}")
         return False
     task = functools.partial(_slurm_task, settings=settings, out=str(Path(out).absolute()))

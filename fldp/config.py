@@ -584,18 +584,6 @@ def default_of(key: str) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
-def typed(cls: type, section: Any, prefix: str) -> Any:
-    """A composed config's section (a DictConfig or a mapping) as its typed config: absent optional
-    keys take their defaults, every value is checked with the key's spec (ConfigError, all at once)."""
-    if hasattr(section, "_metadata"):  # an OmegaConf node, resolved to plain values
-        from omegaconf import OmegaConf
-
-        section = OmegaConf.to_container(section, resolve=True)
-    made = cls(**dict(section))
-    _refuse(check_fields(made, prefix))
-    return made
-
-
 def build(cls: type, values: dict) -> Any:
     """A typed config from plain values (a section's own typed config for each nested mapping, its
     default for each absent key). No checks beyond the sections' own: fldp.schema checked the whole."""
@@ -611,7 +599,9 @@ def build(cls: type, values: dict) -> Any:
 
 def section_of(cls: type, raw: Any) -> Any:
     """A composed section (a DictConfig or a mapping) as its typed config, built (`build`); a
-    composed config's `hydra` node is Hydra's, not the run's."""
+    composed config's `hydra` node is Hydra's, not the run's. A typed one is returned as it is."""
+    if isinstance(raw, cls):
+        return raw
     if hasattr(raw, "_metadata"):  # an OmegaConf node
         from omegaconf import OmegaConf
 
@@ -622,6 +612,4 @@ def section_of(cls: type, raw: Any) -> Any:
 def load(raw: Any) -> Config:
     """The composed config (a DictConfig or a mapping), resolved, as the typed `Config`: built once,
     after the schema's check, and what the run's components read."""
-    if isinstance(raw, Config):
-        return raw
     return section_of(Config, raw)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .aggregation import REDUCE_DTYPES, bucket_indices, federated_mask
-from .config import default_of
+from .config import default_of, load
 from .memory import for_config
 from .mesh import DIMS, MeshShape, shard_piece
 from .quantize import Quantizer, codec_of
@@ -519,7 +519,7 @@ def predict_for(
         bucket_mb,
         cfg.fsdp.reshard_root_after_forward,
         latency,
-        steps=planned_steps(cfg, shape.world),
+        steps=planned_steps(load(cfg), shape.world),
         federated=federated,
         reduce_element_size=reduce_dtype.itemsize if reduce_dtype else None,
         streaming=StreamingConfig.from_algorithm(cfg.algorithm) if aggregates else None,

@@ -40,7 +40,7 @@ from urllib.parse import urlsplit
 import torch
 
 from . import faults
-from .config import default_of
+from .config import ClusterConfig, Config, load, section_of
 from .errors import ConfigError, Interrupted, NoPeerToHealFrom, WorkerError
 from .roster import FAILED, Roster, answer, serve
 from .streaming import StreamingConfig
@@ -60,51 +60,52 @@ class Member:
     roster: str  # the roll call's store, host:port (fldp.roster)
 
 
-def check(cfg) -> None:
+def check(conf: Config) -> None:
     """Elastic federation's preconditions, before any worker starts."""
-    if not cfg.algorithm.get("elastic"):
+    algorithm = conf.algorithm
+    if not algorithm.elastic:
         return
-    if cfg.algorithm.get("aggregation") != "fedavg":
+    if algorithm.aggregation != "fedavg":
         raise ConfigError(
-            f"algorithm.elastic=true: algorithm={cfg.algorithm.name} has no federation "
+            f"algorithm.elastic=true: algorithm={algorithm.name} has no federation "
             "dimension to be elastic in (fl_fsdp, fl_hsdp, diloco_hsdp have)"
         )
-    if cfg.cluster.name == "simulate":
+    if conf.cluster.name == "simulate":
         raise ConfigError(
             "algorithm.elastic=true on cluster=simulate: the simulator runs every group in one "
             "process, with nothing to fail apart"
         )
-    if cfg.topology.device != "cpu":
+    if conf.topology.device != "cpu":
         raise ConfigError(
-            f"algorithm.elastic=true on topology.device={cfg.topology.device}: only gloo (cpu) is supported so far"
+            f"algorithm.elastic=true on topology.device={conf.topology.device}: only gloo (cpu) is supported so far"
         )
-    federate = list(cfg.algorithm.get("federate") or [".*"])
+    federate = list(algorithm.federate or [".*"])
     if federate != [".*"]:
         raise ConfigError(
             f"algorithm.elastic=true with algorithm.federate={federate}: a healed group's "
             "parameters kept local would be copied from several peers, rank by rank; partial "
             "federation is not elastic yet"
         )
-    streaming = StreamingConfig.from_algorithm(cfg.algorithm)
+    streaming = StreamingConfig.from_algorithm(algorithm)
     if streaming.fragments != 1 or streaming.exchanges:
         raise ConfigError(
             f"algorithm.elastic=true with algorithm.streaming.fragments={streaming.fragments}, "
             f"overlap={streaming.overlap}, alpha={streaming.alpha}: a restarted group heals at a "
             "whole-model aggregation taken as it is; streaming is not elastic yet"
         )
-    quantize = (cfg.algorithm.get("outer") or {}).get("quantize")
+    quantize = algorithm.outer.quantize
     if quantize:
         raise ConfigError(
             f"algorithm.elastic=true with algorithm.outer.quantize={quantize}: the elastic "
             "aggregation is torchft's all-reduce over the groups alive; a quantised one is not built yet"
         )
-    if cfg.trainer.checkpoint_every or cfg.trainer.resume:
+    if conf.trainer.checkpoint_every or conf.trainer.resume:
         raise ConfigError(
-            f"algorithm.elastic=true with trainer.checkpoint_every={cfg.trainer.checkpoint_every}, "
-            f"trainer.resume={cfg.trainer.resume}: a failed group heals from a live peer; "
+            f"algorithm.elastic=true with trainer.checkpoint_every={conf.trainer.checkpoint_every}, "
+            f"trainer.resume={conf.trainer.resume}: a failed group heals from a live peer; "
             "checkpoints of elastic runs are not built yet"
         )
-    if cfg.comm.emulate:
+    if conf.comm.emulate:
         raise ConfigError(
             "algorithm.elastic=true with comm.emulate=true: the sleeps stand for the static "
             "collectives only; emulate the network with a netns topology (e.g. topology=netns_4x2)"
@@ -422,7 +423,8 @@ def _supervise(start, shape, cluster_cfg, run_dir: str, network=None) -> None:
     ctx = launch.mp.get_context("fork")
     events = Path(run_dir) / "elastic_events.jsonl"
     out, failures = ctx.SimpleQueue(), ctx.SimpleQueue()
-    join_timeout_s = cluster_cfg.get("join_timeout_s", default_of("cluster.join_timeout_s"))
+    cluster = section_of(ClusterConfig, cluster_cfg)  # typed, or composed (tests)
+    join_timeout_s = cluster.join_timeout_s
     lighthouse = ctx.Process(
         target=_lighthouse,
         name="fldp-lighthouse",
@@ -431,8 +433,7 @@ def _supervise(start, shape, cluster_cfg, run_dir: str, network=None) -> None:
     )
     groups = [_Group(g) for g in range(shape.federation)]
     every = [lighthouse]  # every process started, for the interrupt handler
-    restart_failed = cluster_cfg.get("restart_failed_groups", default_of("cluster.restart_failed_groups"))
-    max_restarts = cluster_cfg.get("max_restarts", default_of("cluster.max_restarts"))
+    restart_failed, max_restarts = cluster.restart_failed_groups, cluster.max_restarts
 
     def begin(group: _Group, meet: Coordinator) -> None:
         start(group, meet)
@@ -604,7 +605,7 @@ def run_slurm(cfg, run_dir: str, shape) -> None:
         group.procs = [_Step(popen)]
         group.cause = lambda: _tail(log_path)
 
-    _supervise(start, shape, cfg.cluster, run_dir)
+    _supervise(start, shape, load(cfg).cluster, run_dir)
 
 
 def _tail(path: Path, lines: int = 30) -> str | None:

@@ -54,7 +54,7 @@ def mesh_shape(cfg) -> MeshShape:
     algorithm = cfg.algorithm.name
     dims = algorithm_dims(cfg.algorithm)
     try:
-        shape = MeshShape(*(_positive_int(f"mesh.{d}", cfg.mesh[d]) for d in DIMS))
+        shape = MeshShape(*(_positive_int(f"mesh.{d}", getattr(cfg.mesh, d)) for d in DIMS))
     except ValueError as e:  # the layout resolver: no layout for these dimensions
         raise ConfigError(str(e)) from None
     for dim in DIMS:
@@ -88,7 +88,7 @@ def _layout_source(cfg, dims: list[str]) -> str:
 
 def algorithm_dims(algorithm_cfg) -> list[str]:
     """The mesh dimensions an algorithm declares (conf/algorithm/*.yaml `dims`); the shard dim always."""
-    dims = list(algorithm_cfg.get("dims") or [])
+    dims = list(getattr(algorithm_cfg, "dims", None) or [])  # typed, or composed
     if not dims or "shard" not in dims or any(d not in DIMS for d in dims):
         raise ConfigError(f"algorithm.dims={dims}: must list mesh dimensions among {list(DIMS)}, shard included")
     return dims

@@ -4,6 +4,7 @@ scratch), and sharded with FSDP2 per decoder layer and at the root."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import re
@@ -24,7 +25,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def fsdp_reduce_dtype(cfg) -> torch.dtype | None:
     """fsdp.reduce_dtype, the dtype FSDP2 reduces the gradients in (None: the gradients' own); the
     trainer's MixedPrecisionPolicy, the simulator's ring and the cost model's bytes read it here."""
-    name = (cfg.get("fsdp") or {}).get("reduce_dtype")
+    name = getattr(cfg.fsdp, "reduce_dtype", None)  # typed, or composed (an optional key: maybe absent)
     return DTYPES[name] if name else None
 
 
@@ -36,8 +37,13 @@ def llama_config(model_cfg, vocab_size: int | None = None) -> LlamaConfig:
         raise ConfigError("model.vocab_size=null and no tokenizer to take it from")
     # transformers' config is strict about floats; Hydra reads `model.rms_norm_eps=1` as an int
     rope = {"rope_type": "default", "rope_theta": float(model_cfg.rope_theta)}
-    if model_cfg.rope_scaling:
-        rope.update(dict(model_cfg.rope_scaling))
+    scaling = model_cfg.rope_scaling
+    if scaling:  # typed (its unset fields None, left out) or composed
+        rope.update(
+            {k: v for k, v in dataclasses.asdict(scaling).items() if v is not None}
+            if dataclasses.is_dataclass(scaling) and not isinstance(scaling, type)
+            else dict(scaling)
+        )
     return LlamaConfig(  # type: ignore[call-arg]
         vocab_size=vocab,
         hidden_size=model_cfg.hidden_size,

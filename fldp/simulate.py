@@ -33,7 +33,7 @@ from torch.func import functional_call, vmap
 
 from . import stacked_attention
 from .aggregation import FedAvgConfig, fragment_fields
-from .config import Config, load
+from .config import load
 from .data import Blocks, WorldBatches
 from .errors import ConfigError
 from .mesh import mesh_shape
@@ -130,12 +130,11 @@ class Simulation:
     """One run: the model, its F stacked groups, the optimiser, and the aggregation."""
 
     def __init__(self, cfg, blocks: Blocks, device: torch.device):
-        # conf: the typed config it reads; cfg: as composed, for the records
-        self.cfg, self.conf, self.blocks, self.device = cfg, load(cfg), blocks, device
-        conf: Config = self.conf
-        self.shape = shape = mesh_shape(cfg)
-        self.steps = total_steps(cfg, blocks, shape.world)
-        model = build_model(llama_config(cfg.model, blocks.vocab_size), device)
+        self.cfg, self.blocks, self.device = cfg, blocks, device  # cfg: as composed, for the records
+        self.conf = conf = load(cfg)  # the typed config it reads
+        self.shape = shape = mesh_shape(cfg)  # composed: its errors name where the mesh came from
+        self.steps = total_steps(conf.trainer, blocks, shape.world)
+        model = build_model(llama_config(conf.model, blocks.vocab_size), device)
         # every group's attention one call: in fp32 bit for bit sdpa's; not the ring's (its bf16 kernel
         # blocks a larger batch otherwise, and the ring is the trainer's bf16 to the bit, group by group)
         once = conf.cluster.reductions == "once"
@@ -151,10 +150,9 @@ class Simulation:
         self.scheduler = build_scheduler(self.optimizer, conf.optimizer, self.steps)
         self.fedavg = FedAvgConfig.from_algorithm(conf.algorithm)
         self.clip_norm = conf.optimizer.clip_norm
-        # the trainer's buckets and their arithmetic, for the groups stacked (fldp.stacked)
-        # cluster.reductions=ring: each rank's gradient, every reduction summed along the ring (fldp/ring.py)
-        self.ring = conf.cluster.reductions == "ring"
-        self.reduce_dtype = fsdp_reduce_dtype(cfg)  # ring only (fldp.train refuses it else)
+        # the trainer's buckets and their arithmetic, for the groups stacked (fldp.stacked); ring: each rank's gradient
+        self.ring = not once  # cluster.reductions=ring: every reduction summed along the ring (fldp/ring.py)
+        self.reduce_dtype = fsdp_reduce_dtype(conf)  # ring only (fldp.train refuses it else)
         groups = self.groups.by_name()
         self.federation = StackedFedAvg(self.fedavg, groups, shape.shard, self.ring) if self.fedavg else None
         self.federated = self.federation.federated if self.federation else []

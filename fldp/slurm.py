@@ -25,7 +25,7 @@ from typing import cast
 
 from omegaconf import OmegaConf
 
-from .config import default_of
+from .config import ClusterConfig, Config, load
 from .errors import ConfigError, WorkerError
 from .mesh import MeshShape
 from .schedule import schedule_text
@@ -34,10 +34,10 @@ from .setting import differences, paper_config
 log = logging.getLogger("fldp")
 
 
-def submits(cfg) -> bool:
+def submits(cluster: ClusterConfig) -> bool:
     """True when this process should submit the run rather than train: a SLURM cluster config,
     and not already a task of a SLURM job step (then it is a rank, or forks the workers)."""
-    return cfg.cluster.get("launcher") == "slurm" and "SLURM_STEP_ID" not in os.environ
+    return cluster.launcher == "slurm" and "SLURM_STEP_ID" not in os.environ
 
 
 # --- inside the job ---------------------------------------------------------------------------
@@ -50,42 +50,43 @@ def run_rank(cfg, run_dir: str, run):
     again), and SLURM's warning signal before the time limit makes it checkpoint and requeue."""
     from . import checkpoint
 
-    if cfg.cluster.master_addr:
-        os.environ["MASTER_ADDR"] = str(cfg.cluster.master_addr)
-    if cfg.cluster.master_port:
-        os.environ["MASTER_PORT"] = str(cfg.cluster.master_port)
+    conf = load(cfg)
+    if conf.cluster.master_addr:
+        os.environ["MASTER_ADDR"] = str(conf.cluster.master_addr)
+    if conf.cluster.master_port:
+        os.environ["MASTER_PORT"] = str(conf.cluster.master_port)
     if os.environ.get("TORCH_NCCL_DUMP_ON_TIMEOUT") == "1":  # the flight recorder's dumps: in the run dir
         Path(run_dir, "flight_recorder").mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(Path(run_dir, "flight_recorder", "rank_")))
-    if not requeues(cfg):
+    if not requeues(conf):
         return run(cfg, run_dir)
-    cfg.trainer.resume = "auto"
+    cfg.trainer.resume = "auto"  # the composed config: what run() validates and the records keep
     checkpoint.stop_on(WARNING_SIGNAL)  # replaces submitit's handler, which requeues without a checkpoint
     try:
         return run(cfg, run_dir)
     except checkpoint.Stopped as stopped:
-        requeue(cfg, run_dir, stopped.step)
+        requeue(conf.cluster.max_requeue, run_dir, stopped.step)
 
 
 # submitit asks SLURM for this signal cluster.signal_s before the time limit (sbatch --signal)
 WARNING_SIGNAL = signal.SIGUSR2
 
 
-def requeues(cfg) -> bool:
+def requeues(conf: Config) -> bool:
     """Whether the job checkpoints and requeues itself before its time limit: cluster.max_requeue,
     but not for elastic federation, which keeps no checkpoints (a failed group heals from a peer)."""
-    return bool(cfg.cluster.get("max_requeue")) and not cfg.algorithm.get("elastic")
+    return bool(conf.cluster.max_requeue) and not conf.algorithm.elastic
 
 
-def requeue(cfg, run_dir: str, step: int):
+def requeue(max_requeue: int, run_dir: str, step: int):
     """Rank 0 requeues the job (SLURM kills it and starts it again, same job id and run directory),
     up to cluster.max_requeue times; every rank then leaves without a result, so the job is not
     taken for ended. Past the limit the job fails, saying how to continue."""
     job, restarts = os.environ["SLURM_JOB_ID"], int(os.environ.get("SLURM_RESTART_COUNT", 0))
-    if restarts >= cfg.cluster.max_requeue:
+    if restarts >= max_requeue:
         raise WorkerError(
             f"SLURM job {job} was warned of its end after {restarts} requeues (cluster.max_requeue="
-            f"{cfg.cluster.max_requeue}); its checkpoint after step {step} is in {run_dir}: continue "
+            f"{max_requeue}); its checkpoint after step {step} is in {run_dir}: continue "
             f"with trainer.resume=auto hydra.run.dir={run_dir}"
         )
     if int(os.environ.get("SLURM_PROCID", 0)) == 0:
@@ -95,7 +96,7 @@ def requeue(cfg, run_dir: str, step: int):
             job,
             step,
             restarts + 1,
-            cfg.cluster.max_requeue,
+            max_requeue,
         )
     raise SystemExit(0)  # no result pickle: the submitter keeps following the job
 
@@ -137,17 +138,17 @@ def group_step_port(shape, job_id: int, group: int, restart: int) -> int:
     return _PORT_BASE + job_id % _PORT_SPAN + 1 + group + shape.federation * restart
 
 
-def elastic_plan(cfg, shape: MeshShape, run_dir: str) -> str:
+def elastic_plan(conf: Config, shape: MeshShape, run_dir: str) -> str:
     """What the dry run shows of an elastic run's job: the supervisor's part and each group's step."""
     spec = Path(run_dir).absolute() / "elastic_logs" / "run.pkl"
     steps = "\n".join(
-        shlex.join(group_step_command(shape, cfg.topology, g, 0, spec, "http://FIRST_NODE:PORT", "FIRST_NODE:PORT"))
+        shlex.join(group_step_command(shape, conf.topology, g, 0, spec, "http://FIRST_NODE:PORT", "FIRST_NODE:PORT"))
         for g in range(shape.federation)
     )
     return (
         f"--- elastic federation: the job's one task (first node) runs the torchft lighthouse and starts "
         f"each group as a job step, again when it fails (cluster.max_restarts="
-        f"{cfg.cluster.get('max_restarts', default_of('cluster.max_restarts'))}); MASTER_PORT per group and restart ---\n{steps}"
+        f"{conf.cluster.max_restarts}); MASTER_PORT per group and restart ---\n{steps}"
     )
 
 
@@ -177,9 +178,9 @@ def _unless_from_env(value, variable: str):
     return None if value is not None and value == os.environ.get(variable) else value
 
 
-def job_parameters(cfg, shape: MeshShape) -> dict:
-    """submitit.SlurmExecutor parameters of the one job that runs `cfg`."""
-    c, t = cfg.cluster, cfg.topology
+def job_parameters(conf: Config, shape: MeshShape) -> dict:
+    """submitit.SlurmExecutor parameters of the one job that runs the config."""
+    c, t = conf.cluster, conf.topology
     if t.device == "cuda":
         if c.gpus_per_node is None:
             raise ConfigError(
@@ -192,7 +193,7 @@ def job_parameters(cfg, shape: MeshShape) -> dict:
                 f"{t.procs_per_node}: fldp runs one rank per GPU"
             )
     params = {
-        "job_name": f"fldp-{cfg.algorithm.name}-{t.name}",
+        "job_name": f"fldp-{conf.algorithm.name}-{t.name}",
         "nodes": t.nodes,
         "ntasks_per_node": t.procs_per_node,
         "cpus_per_task": c.cpus_per_task,
@@ -205,28 +206,28 @@ def job_parameters(cfg, shape: MeshShape) -> dict:
         "setup": job_setup(c.setup, c.cpus_per_task),
         "additional_parameters": extra_sbatch(c.sbatch, c.exclusive),
     }
-    if requeues(cfg):  # checkpoint and requeue on the warning signal, signal_s before the limit
+    if requeues(conf):  # checkpoint and requeue on the warning signal, signal_s before the limit
         params["signal_delay_s"] = c.signal_s
         params["additional_parameters"]["requeue"] = True
-    if cfg.algorithm.get("elastic"):  # submitit's step: the supervisor alone, on the first node
+    if conf.algorithm.elastic:  # submitit's step: the supervisor alone, on the first node
         params["srun_args"] = ["--nodes=1", "--ntasks=1"]
     assert shape.world == t.nodes * t.procs_per_node  # validate() checked it
     return {k: v for k, v in params.items() if v is not None}
 
 
-def job_folder_of(cfg, run_dir: str) -> Path:
+def job_folder_of(cluster: ClusterConfig, run_dir: str) -> Path:
     """submitit's folder: pickles and per-task logs, one subfolder per job id; RUN_DIR/slurm/ unless
     cluster.folder says otherwise. sbatch reads '%' in its log paths as a file-name pattern and drops
     it, so a log in a run directory whose path holds one (a sweep point named by a value with a
     '/', escaped '%2F') could not be opened and the job would fail at launch: such a run's jobs go
     to slurm-jobs/ in the nearest directory above it without a '%' (the sweep's), apart by job id."""
-    if cfg.cluster.folder:
-        if "%" in str(cfg.cluster.folder):
+    if cluster.folder:
+        if "%" in str(cluster.folder):
             raise ConfigError(
-                f"cluster.folder={cfg.cluster.folder}: sbatch reads '%' in a log path as a "
+                f"cluster.folder={cluster.folder}: sbatch reads '%' in a log path as a "
                 "file-name pattern; choose a folder without one"
             )
-        return Path(cfg.cluster.folder).absolute() / "%j"
+        return Path(cluster.folder).absolute() / "%j"
     run = Path(run_dir).absolute()
     if "%" not in str(run):
         return run / "slurm" / "%j"
@@ -279,13 +280,13 @@ def sbatch_script(params: dict, job_folder: Path) -> str:
     )
 
 
-def planned_steps(cfg, world: int):
+def planned_steps(conf: Config, world: int):
     """trainer.steps, or one pass when the training block count is known from the config alone
     (clean_mc4_it: 65,536 blocks / (512 ranks x 2) = 64); None when only the data can tell."""
-    blocks = cfg.dataset.get("train_blocks")
-    if cfg.trainer.steps is not None or blocks is None:
-        return cfg.trainer.steps
-    return blocks // (world * cfg.trainer.batch_size)
+    blocks, trainer = conf.dataset.train_blocks, conf.trainer
+    if trainer.steps is not None or blocks is None:
+        return trainer.steps
+    return blocks // (world * trainer.batch_size)
 
 
 def _from_env(variable: str, otherwise: str) -> str:
@@ -293,21 +294,23 @@ def _from_env(variable: str, otherwise: str) -> str:
 
 
 def describe(cfg, shape: MeshShape, params: dict) -> str:
+    """The dry run's and the submission log's account of the job (cfg: composed, for its
+    differences from the paper's setting)."""
     from .checkpoint import size_line
 
-    t, tr = cfg.topology, cfg.trainer
+    conf = load(cfg)
+    t, tr, alg = conf.topology, conf.trainer, conf.algorithm
     group_nodes = shape.group_size / t.procs_per_node
-    steps = planned_steps(cfg, shape.world)
-    fedavg = cfg.algorithm.get("fedavg") or {}
+    steps = planned_steps(conf, shape.world)
     lines = [
-        f"mesh: {cfg.algorithm.name} {shape} (federation x replicate x shard) = {shape.world} ranks; "
+        f"mesh: {alg.name} {shape} (federation x replicate x shard) = {shape.world} ranks; "
         f"a federation group is {shape.group_size} ranks ({group_nodes:g} node(s)), a sharding group "
         f"{shape.shard} ranks"
-        + (f"; FedAvg {schedule_text(cfg.algorithm.every)}" if shape.federation > 1 else "")
-        + (f", {fedavg.get('mode')}" if shape.federation > 1 and shape.replicate > 1 else ""),
-        f"run: model {cfg.model.name}, dataset {cfg.dataset.name}, {tr.precision}, batch {tr.batch_size} per "
-        f"rank, {steps if steps is not None else 'one pass of'} steps, {cfg.optimizer.name} lr {cfg.optimizer.lr}, "
-        f"seed {cfg.seed}",
+        + (f"; FedAvg {schedule_text(alg.every)}" if shape.federation > 1 else "")
+        + (f", {alg.fedavg.mode if alg.fedavg else None}" if shape.federation > 1 and shape.replicate > 1 else ""),
+        f"run: model {conf.model.name}, dataset {conf.dataset.name}, {tr.precision}, batch {tr.batch_size} per "
+        f"rank, {steps if steps is not None else 'one pass of'} steps, {conf.optimizer.name} lr {conf.optimizer.lr}, "
+        f"seed {conf.seed}",
         f"job: {t.nodes} nodes x {t.procs_per_node} tasks = {shape.world} tasks, one rank each"
         f" ({'NCCL' if t.device == 'cuda' else 'gloo'}), partition {params.get('partition', '(default)')}, "
         f"account {params.get('account', _from_env('SBATCH_ACCOUNT', '(not set)'))}, "
@@ -315,8 +318,8 @@ def describe(cfg, shape: MeshShape, params: dict) -> str:
         f"{params['time']} min",
         size_line(cfg, shape),
     ]
-    if t.get("paper_setting"):
-        differ = differences(cfg, paper_config(cfg.algorithm.name, t.name))
+    if t.paper_setting:
+        differ = differences(cfg, paper_config(alg.name, t.name))
         lines.append(
             "setting: the paper's (paper.md, Section 5)"
             if not differ
@@ -335,14 +338,15 @@ def submit(cfg, run_dir: str, shape: MeshShape, run, sweep_point: bool = False) 
     Without cluster.wait, return once it is queued."""
     from . import preflight
 
-    params = job_parameters(cfg, shape)
+    conf = load(cfg)
+    params = job_parameters(conf, shape)
     found = preflight.problems(cfg, run_dir)  # what the job would find out only after its wait in the queue
-    if cfg.cluster.dry_run:
+    if conf.cluster.dry_run:
         print(
-            f"fldp: dry run (cluster={cfg.cluster.name}): nothing submitted\n{describe(cfg, shape, params)}\n"
+            f"fldp: dry run (cluster={conf.cluster.name}): nothing submitted\n{describe(cfg, shape, params)}\n"
             f"records: {Path(run_dir).absolute()}\n--- sbatch script ---\n"
-            f"{sbatch_script(params, job_folder_of(cfg, run_dir))}\n"
-            + (f"{elastic_plan(cfg, shape, run_dir)}\n" if cfg.algorithm.get("elastic") else "")
+            f"{sbatch_script(params, job_folder_of(conf.cluster, run_dir))}\n"
+            + (f"{elastic_plan(conf, shape, run_dir)}\n" if conf.algorithm.elastic else "")
             + preflight.report(found),
             flush=True,
         )
@@ -350,18 +354,18 @@ def submit(cfg, run_dir: str, shape: MeshShape, run, sweep_point: bool = False) 
     if found := [*preflight.no_slurm(cfg), *found]:
         raise ConfigError(f"nothing submitted; {preflight.report(found)}")
     job = submit_job(cfg, run_dir, shape, functools.partial(run_rank, run=run))
-    if cfg.cluster.wait and sweep_point:
-        _submitted.append((job, run_dir, cfg.cluster.poll_s))
+    if conf.cluster.wait and sweep_point:
+        _submitted.append((job, run_dir, conf.cluster.poll_s))
         return None
-    if not cfg.cluster.wait:
+    if not conf.cluster.wait:
         print(
-            f"fldp: submitted SLURM job {job.job_id} ({shape.world} ranks on {cfg.topology.nodes} nodes); "
+            f"fldp: submitted SLURM job {job.job_id} ({shape.world} ranks on {conf.topology.nodes} nodes); "
             f"records in {run_dir}; follow with `squeue -j {job.job_id}`, cancel with `scancel {job.job_id}`",
             flush=True,
         )
         return None
     try:
-        return follow(job, run_dir, cfg.cluster.poll_s)
+        return follow(job, run_dir, conf.cluster.poll_s)
     except KeyboardInterrupt:
         log.warning("stopped following job %s; it keeps running (scancel %s to stop it)", job.job_id, job.job_id)
         raise
@@ -425,8 +429,9 @@ def submit_job(cfg, run_dir: str, shape: MeshShape, fn):
         raise ConfigError(missing[0])
     import submitit
 
-    params = job_parameters(cfg, shape)
-    executor = submitit.SlurmExecutor(folder=job_folder_of(cfg, run_dir), max_num_timeout=0)
+    conf = load(cfg)
+    params = job_parameters(conf, shape)
+    executor = submitit.SlurmExecutor(folder=job_folder_of(conf.cluster, run_dir), max_num_timeout=0)
     executor.update_parameters(**params)
     try:
         job = executor.submit(fn, cfg, str(Path(run_dir).absolute()))

@@ -28,9 +28,10 @@ aggregate at once.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from .config import StreamingSettings
+from .config import AlgorithmConfig, StreamingSettings, section_of
 from .errors import ConfigError
 from .model import fsdp_unit
 
@@ -69,9 +70,9 @@ class StreamingConfig(StreamingSettings):
         return bool(self.overlap or self.alpha)
 
     @classmethod
-    def from_algorithm(cls, algorithm_cfg) -> StreamingConfig:
-        streaming = algorithm_cfg.get("streaming") or {}
-        return cls(**{k: streaming[k] for k in ("fragments", "layout", "overlap", "alpha") if k in streaming})
+    def from_algorithm(cls, algorithm) -> StreamingConfig:
+        """From the typed algorithm section (fldp.config.load), or a composed one."""
+        return cls(**dataclasses.asdict(section_of(AlgorithmConfig, algorithm).streaming))
 
     def check_schedule(self, schedule: tuple[tuple[int, int], ...]) -> int:
         """The period A fragments are staggered over; refuses what cannot be staggered."""

@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from . import CONF, netns, schema, slurm, sweep
+from .config import Config, load
 from .errors import ConfigError, Interrupted, WorkerError, WriteError
 from .mesh import mesh_shape
 from .provenance import record_command, version_line
@@ -43,12 +44,12 @@ def validate(cfg: DictConfig):
     known, typed and in range: fldp.schema) and the mesh, before torch is imported (seconds of a
     refusal's time otherwise); then what needs torch (the model's parameters, the devices)."""
     schema.check(cfg)
-    shape = mesh_shape(cfg)
-    check_with_torch(cfg)
+    shape = mesh_shape(cfg)  # composed: its errors name where the mesh came from
+    check_with_torch(cfg, load(cfg))
     return shape
 
 
-def check_with_torch(cfg: DictConfig) -> None:
+def check_with_torch(cfg: DictConfig, conf: Config) -> None:
     """What ties the groups together and needs torch: the algorithm's patterns and fragments against
     the model's parameters, elastic federation, the devices, the emulated network."""
     import torch
@@ -56,15 +57,15 @@ def check_with_torch(cfg: DictConfig) -> None:
     from . import launch
     from .aggregation import FedAvgConfig
 
-    federation = FedAvgConfig.from_algorithm(cfg.algorithm)
+    federation = FedAvgConfig.from_algorithm(conf.algorithm)
     # every pattern must name a parameter; the model must have a unit for every streaming fragment
     if federation is not None and (federation.federate != (".*",) or federation.streaming.fragments > 1):
         from .model import build_model, llama_config
 
-        model = build_model(llama_config(cfg.model, cfg.model.vocab_size or 8), "meta")
+        model = build_model(llama_config(conf.model, conf.model.vocab_size or 8), "meta")
         names = [name for name, _ in model.named_parameters()]
         federation.streaming.fragment_of([n for n, keep in zip(names, federation.federated(names)) if keep])
-    if federation is not None and federation.streaming.overlap and cfg.comm.emulate:
+    if federation is not None and federation.streaming.overlap and conf.comm.emulate:
         raise ConfigError(
             f"algorithm.streaming.overlap={federation.streaming.overlap} with comm.emulate=true: the "
             "emulation sleeps as each collective is called, so it cannot show an all-reduce in "
@@ -72,47 +73,43 @@ def check_with_torch(cfg: DictConfig) -> None:
         )
     from . import elastic
 
-    elastic.check(cfg)
-    if simulates(cfg):  # no ranks, no network: the topology gives only the mesh
-        check_simulation(cfg)
+    elastic.check(conf)
+    if conf.cluster.name == "simulate":  # no ranks, no network: the topology gives only the mesh
+        check_simulation(conf)
         return
-    if cfg.topology.device == "cuda" and not slurm.submits(cfg) and not torch.cuda.is_available():
-        launcher = f", cluster.launcher={cfg.cluster.launcher}" if cfg.cluster.get("launcher") else ""
+    if conf.topology.device == "cuda" and not slurm.submits(conf.cluster) and not torch.cuda.is_available():
         raise ConfigError(
-            f"topology.device=cuda (topology={cfg.topology.name}): no CUDA device here, where "
-            f"cluster={cfg.cluster.name}{launcher} runs the workers"
+            f"topology.device=cuda (topology={conf.topology.name}): no CUDA device here, where "
+            f"cluster={conf.cluster.name}, cluster.launcher={conf.cluster.launcher} runs the workers"
         )
     # emulated nodes: the link's keys, root, `ip` and `tc`
-    netns.check(cfg, forks_locally=launch.from_environment() is None and not slurm.submits(cfg))
+    netns.check(cfg, forks_locally=launch.from_environment() is None and not slurm.submits(conf.cluster))
 
 
-def simulates(cfg) -> bool:
-    return cfg.cluster.name == "simulate"
-
-
-def check_simulation(cfg) -> None:
+def check_simulation(conf: Config) -> None:
     """What cluster=simulate (fldp/simulate.py) cannot do."""
     import torch
 
-    if cfg.trainer.checkpoint_every or cfg.trainer.resume:
+    trainer = conf.trainer
+    if trainer.checkpoint_every or trainer.resume:
         raise ConfigError(
-            f"trainer.checkpoint_every={cfg.trainer.checkpoint_every}, trainer.resume="
-            f"{cfg.trainer.resume}: cluster=simulate keeps no checkpoints (a simulated run is "
+            f"trainer.checkpoint_every={trainer.checkpoint_every}, trainer.resume="
+            f"{trainer.resume}: cluster=simulate keeps no checkpoints (a simulated run is "
             "short enough to run again)"
         )
-    if cfg.comm.emulate:
+    if conf.comm.emulate:
         raise ConfigError("comm.emulate=true: cluster=simulate sends nothing to emulate")
-    reduce_dtype = cfg.fsdp.get("reduce_dtype")
-    if reduce_dtype not in (None, cfg.trainer.precision) and cfg.cluster.get("reductions") != "ring":
+    reduce_dtype = conf.fsdp.reduce_dtype
+    if reduce_dtype not in (None, trainer.precision) and conf.cluster.reductions != "ring":
         raise ConfigError(
             f"fsdp.reduce_dtype={reduce_dtype}: cluster.reductions=once computes each group's gradient "
             "from its whole batch, with no reduction to cast; use cluster.reductions=ring"
         )
-    if cfg.cluster.device == "cuda" and not torch.cuda.is_available():
+    if conf.cluster.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("cluster.device=cuda: no CUDA device here")
 
 
-def check_run_dir(cfg, shape, run_dir: str) -> None:
+def check_run_dir(conf: Config, shape, run_dir: str) -> None:
     """Writable, and not holding another run's records unless this run resumes it."""
     from .aggregation import FedAvgConfig
     from .checkpoint import check_mesh, check_schedule, latest
@@ -125,11 +122,11 @@ def check_run_dir(cfg, shape, run_dir: str) -> None:
         probe.unlink()
     except OSError as e:
         raise ConfigError(f"hydra.run.dir={run_dir}: not writable ({e.strerror})") from e
-    check_not_another_run(cfg, run_dir)
-    saved = latest(path) if cfg.trainer.resume == "auto" else None
+    check_not_another_run(conf.trainer.resume, run_dir)
+    saved = latest(path) if conf.trainer.resume == "auto" else None
     if saved is not None:
         check_mesh(saved, shape)
-        federation = FedAvgConfig.from_algorithm(cfg.algorithm)
+        federation = FedAvgConfig.from_algorithm(conf.algorithm)
         check_schedule(
             saved,
             federation.schedule if federation else None,
@@ -138,52 +135,54 @@ def check_run_dir(cfg, shape, run_dir: str) -> None:
         )
 
 
-def check_not_another_run(cfg, run_dir: str) -> None:
-    if sweep.refused(run_dir, cfg.trainer.resume):
+def check_not_another_run(resume: str | None, run_dir: str) -> None:
+    """trainer.resume: a directory holding a run is refused unless the run resumes it."""
+    if sweep.refused(run_dir, resume):
         raise ConfigError(
             f"hydra.run.dir={run_dir} already holds a run's metrics.jsonl or checkpoints/: "
             f"continue it with trainer.resume=auto, or choose another hydra.run.dir"
         )
 
 
-def check_vocab(cfg, blocks) -> None:
-    if cfg.model.vocab_size is not None and blocks.vocab_size > cfg.model.vocab_size:
+def check_vocab(conf: Config, blocks) -> None:
+    vocab = conf.model.vocab_size
+    if vocab is not None and blocks.vocab_size > vocab:
         raise ConfigError(
-            f"dataset.tokenizer={cfg.dataset.tokenizer} has {blocks.vocab_size} tokens but "
-            f"model.vocab_size={cfg.model.vocab_size}: token ids would overflow the embedding"
+            f"dataset.tokenizer={conf.dataset.tokenizer} has {blocks.vocab_size} tokens but "
+            f"model.vocab_size={vocab}: token ids would overflow the embedding"
         )
 
 
-def check_passes(cfg, blocks, world: int) -> None:
+def check_passes(conf: Config, blocks, world: int) -> None:
     """A run never cycles its data unless dataset.max_passes allows it; where it does, it says so."""
-    d, steps = cfg.dataset, cfg.trainer.steps
+    d, steps, batch = conf.dataset, conf.trainer.steps, conf.trainer.batch_size
     if not steps:  # null: one pass
         return
-    asked, have = steps * world * cfg.trainer.batch_size, len(blocks.train)
+    asked, have = steps * world * batch, len(blocks.train)
     passes = asked / have
     tokens = f"{asked:,} blocks of {d.block_size} tokens ({asked * d.block_size / 1e6:.2f} M tokens)"
-    if d.get("max_passes") is not None and passes > d.max_passes:
+    if d.max_passes is not None and passes > d.max_passes:
         raise ConfigError(
-            f"dataset.max_passes={d.max_passes}: trainer.steps={steps} x {world * cfg.trainer.batch_size} sequences "
+            f"dataset.max_passes={d.max_passes}: trainer.steps={steps} x {world * batch} sequences "
             f"a step ask for {tokens}, {passes:.2f} passes over {d.name}'s {have:,} training blocks; "
-            f"lower trainer.steps to at most {int(d.max_passes * have) // (world * cfg.trainer.batch_size)} "
+            f"lower trainer.steps to at most {int(d.max_passes * have) // (world * batch)} "
             "or raise dataset.max_passes"
         )
     if passes > 1:
         log.warning("the run makes %.2f passes over %s's training blocks: %s", passes, d.name, tokens)
 
 
-def check_blocks(cfg, blocks, world: int) -> None:
+def check_blocks(conf: Config, blocks, world: int) -> None:
     """One batch per rank in each split, or the workers would fail on it (trainer.total_steps, evaluate)."""
-    check_passes(cfg, blocks, world)
-    d, batch = cfg.dataset, cfg.trainer.batch_size
+    check_passes(conf, blocks, world)
+    d, batch = conf.dataset, conf.trainer.batch_size
     for split, n, key in (
         ("training", len(blocks.train), "train_blocks"),
         ("held-out", len(blocks.eval), "eval_blocks"),
     ):
         if n // world < batch:
             raise ConfigError(
-                f"dataset.{key}={d[key]}: {n} {split} blocks of dataset.block_size={d.block_size} "
+                f"dataset.{key}={getattr(d, key)}: {n} {split} blocks of dataset.block_size={d.block_size} "
                 f"tokens are too few for trainer.batch_size={batch} on each of {world} ranks "
                 f"(need {batch * world})"
             )
@@ -208,65 +207,67 @@ def run(cfg: DictConfig, run_dir: str, sweep_point: bool = False) -> dict | None
     from . import launch
 
     shape = validate(cfg)
+    conf = load(cfg)  # what the checks below read; cfg as composed travels to the records
     check_wandb_login(cfg)
     env = launch.from_environment()
-    if simulates(cfg):  # every federation group in this process
-        return run_simulated(cfg, run_dir, shape)
-    if env is None and slurm.submits(cfg):  # one SLURM job; the ranks run this function again inside it
-        check_run_dir(cfg, shape, run_dir)
+    if conf.cluster.name == "simulate":  # every federation group in this process
+        return run_simulated(cfg, conf, run_dir, shape)
+    if env is None and slurm.submits(conf.cluster):  # one SLURM job; the ranks run this function again inside it
+        check_run_dir(conf, shape, run_dir)
         # fldp.train.run by reference: under `python -m fldp.train` this module is __main__, whose
         # functions cloudpickle would copy by value into the job
         return slurm.submit(cfg, run_dir, shape, importlib.import_module("fldp.train").run, sweep_point)
     if env is None:
-        return run_forked(cfg, run_dir, shape)
-    run_rank(cfg, run_dir, shape, env)
+        return run_forked(cfg, conf, run_dir, shape)
+    run_rank(cfg, conf, run_dir, shape, env)
     return None
 
 
-def checked_blocks(cfg, world: int):
-    """The run's token blocks (tokenised once, then cached), checked against the model and the world."""
+def checked_blocks(cfg: DictConfig, conf: Config, world: int):
+    """The run's token blocks (tokenised once, then cached: the cache's key hashes the composed
+    dataset section), checked against the model and the world."""
     from .data import prepare
 
     blocks = prepare(cfg.dataset)
-    check_vocab(cfg, blocks)
-    check_blocks(cfg, blocks, world)
-    announce_model(cfg, blocks.vocab_size)
+    check_vocab(conf, blocks)
+    check_blocks(conf, blocks, world)
+    announce_model(conf, blocks.vocab_size)
     return blocks
 
 
-def announce_model(cfg, vocab_size: int) -> None:
+def announce_model(conf: Config, vocab_size: int) -> None:
     """The model's size, counted on the meta device (nothing allocated); summary.json records it too."""
     from .model import build_model, llama_config, parameter_counts
 
-    n = parameter_counts(build_model(llama_config(cfg.model, vocab_size), "meta"))
+    n = parameter_counts(build_model(llama_config(conf.model, vocab_size), "meta"))
     log.info(
         "model %s: %.2f M parameters, N = %.2f M without the embedding and lm_head",
-        cfg.model.name, n["params"] / 1e6, n["params_non_embedding"] / 1e6,
+        conf.model.name, n["params"] / 1e6, n["params_non_embedding"] / 1e6,
     )  # fmt: skip
 
 
-def run_simulated(cfg, run_dir: str, shape) -> dict:
+def run_simulated(cfg: DictConfig, conf: Config, run_dir: str, shape) -> dict:
     """cluster=simulate: every federation group in this process (fldp/simulate.py)."""
-    check_run_dir(cfg, shape, run_dir)
-    blocks = checked_blocks(cfg, shape.world)
+    check_run_dir(conf, shape, run_dir)
+    blocks = checked_blocks(cfg, conf, shape.world)
     from . import simulate
 
     log.info(
         "%s simulated in one process: mesh %s (federation x replicate x shard), records in %s",
-        cfg.algorithm.name,
+        conf.algorithm.name,
         shape,
         run_dir,
     )
     return simulate.run(cfg, run_dir, blocks)
 
 
-def run_forked(cfg, run_dir: str, shape) -> dict:
+def run_forked(cfg: DictConfig, conf: Config, run_dir: str, shape) -> dict:
     """The world's workers forked on this machine; the summary. A stopped or failed run names
     where it can resume from."""
     from .checkpoint import discard_incomplete
 
-    check_run_dir(cfg, shape, run_dir)
-    blocks = checked_blocks(cfg, shape.world)
+    check_run_dir(conf, shape, run_dir)
+    blocks = checked_blocks(cfg, conf, shape.world)
     from . import trainer  # noqa: F401  (import once here, not in each of the forked workers)
     from .model import import_forward
 
@@ -274,14 +275,14 @@ def run_forked(cfg, run_dir: str, shape) -> dict:
 
     log.info(
         "%s on %s: mesh %s (federation x replicate x shard), %d local workers, records in %s",
-        cfg.algorithm.name,
-        cfg.topology.name,
+        conf.algorithm.name,
+        conf.topology.name,
         shape,
         shape.world,
         run_dir,
     )
     try:
-        launch_workers(cfg, run_dir, shape, blocks)
+        launch_workers(cfg, conf, run_dir, shape, blocks)
     except Interrupted as e:
         discard_incomplete(run_dir)  # every worker has exited: a checkpoint without COMPLETE is a cut save
         raise Interrupted(e.signum, f"; {resume_hint(run_dir)}") from None
@@ -291,15 +292,15 @@ def run_forked(cfg, run_dir: str, shape) -> dict:
     return json.loads((Path(run_dir) / "summary.json").read_text())
 
 
-def launch_workers(cfg, run_dir: str, shape, blocks) -> None:
-    """The workers, on emulated nodes if the topology has them; elastic: each federation group its
-    own world, restarted when it fails."""
+def launch_workers(cfg: DictConfig, conf: Config, run_dir: str, shape, blocks) -> None:
+    """The workers (each given the composed cfg), on emulated nodes if the topology has them;
+    elastic: each federation group its own world, restarted when it fails."""
     from . import launch
 
-    if cfg.algorithm.get("elastic"):
+    if conf.algorithm.elastic:
         from . import elastic
 
-        if cfg.cluster.get("launcher") == "slurm":  # the supervisor, inside the run's one job
+        if conf.cluster.launcher == "slurm":  # the supervisor, inside the run's one job
             elastic.run_slurm(cfg, run_dir, shape)
         else:
             elastic.run_local(
@@ -307,11 +308,16 @@ def launch_workers(cfg, run_dir: str, shape, blocks) -> None:
             )
     else:
         launch.run_local(
-            _rank, (cfg, run_dir, blocks), shape.world, cfg.topology.device, cfg.cluster, network=netns.from_config(cfg)
+            _rank,
+            (cfg, run_dir, blocks),
+            shape.world,
+            conf.topology.device,
+            cfg.cluster,
+            network=netns.from_config(cfg),
         )
 
 
-def run_rank(cfg, run_dir: str, shape, env) -> None:
+def run_rank(cfg: DictConfig, conf: Config, run_dir: str, shape, env) -> None:
     """One rank of a world started by torchrun or srun."""
     import torch.distributed as dist
 
@@ -320,14 +326,14 @@ def run_rank(cfg, run_dir: str, shape, env) -> None:
 
     if env.world != shape.world:
         raise ConfigError(f"WORLD_SIZE={env.world} from the launcher, but mesh {shape} needs {shape.world} ranks")
-    device = launch.init_process_group(env, cfg.topology.device, cfg.cluster.timeout_s)
+    device = launch.init_process_group(env, conf.topology.device, conf.cluster.timeout_s)
     if env.rank == 0:  # tokenise once; the others read the cache
         blocks = prepare(cfg.dataset)
     dist.barrier()
     if env.rank != 0:
         blocks = prepare(cfg.dataset)
-    check_vocab(cfg, blocks)
-    check_blocks(cfg, blocks, shape.world)
+    check_vocab(conf, blocks)
+    check_blocks(conf, blocks, shape.world)
     shared = [run_dir]
     dist.broadcast_object_list(shared, src=0)  # ranks may disagree on Hydra's timestamped dir
     _rank(cfg, shared[0], blocks, device)
@@ -491,7 +497,7 @@ def precheck(overrides: list[str], multirun: bool) -> None:
     validate(cfg)
     if run_dir is not None:
         _new_run_dir = "${now:" in template or not Path(run_dir).exists()
-        check_not_another_run(cfg, run_dir)  # before Hydra writes its train.log into that directory
+        check_not_another_run(cfg.trainer.resume, run_dir)  # before Hydra writes its train.log into that directory
 
 
 def parse_overrides(overrides: list[str]) -> list:

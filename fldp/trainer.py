@@ -22,7 +22,7 @@ from . import elastic, faults
 from .aggregation import FedAvg, FedAvgConfig
 from .checkpoint import Checkpointer, latest
 from .comm import CommMeter
-from .config import OptimizerConfig, TrainerConfig, default_of, typed
+from .config import CommConfig, Config, OptimizerConfig, TrainerConfig, load
 from .cost import tier_bandwidth
 from .data import Blocks, RankBatches
 from .evaluation import AVERAGE, GROUPS_MEAN, ONE_MODEL, Evaluation  # noqa: F401  (fldp.simulate's, from here)
@@ -66,33 +66,32 @@ def build_scheduler(optimizer, opt_cfg: OptimizerConfig, steps: int):
     return get_cosine_schedule_with_warmup(optimizer, int(opt_cfg.warmup * steps), steps)
 
 
-def total_steps(cfg, blocks: Blocks, world: int) -> int:
+def total_steps(trainer: TrainerConfig, blocks: Blocks, world: int) -> int:
     """trainer.steps, or one pass over the training blocks when null (paper: 65,536/(512*2) = 64)."""
-    per_epoch = len(blocks.train) // (world * cfg.trainer.batch_size)
+    per_epoch = len(blocks.train) // (world * trainer.batch_size)
     if per_epoch == 0:
         raise ConfigError(
-            f"trainer.batch_size={cfg.trainer.batch_size}: {len(blocks.train)} training "
+            f"trainer.batch_size={trainer.batch_size}: {len(blocks.train)} training "
             f"blocks are too few for one batch on each of {world} ranks"
         )
-    return cfg.trainer.steps or per_epoch
+    return trainer.steps or per_epoch
 
 
-def sharded_model(cfg, vocab_size: int, mesh, device: torch.device):
-    """The Llama of cfg.model, sharded with FSDP2 over `mesh` (this rank's federation group), with
+def sharded_model(conf: Config, vocab_size: int, mesh, device: torch.device):
+    """The Llama of conf.model, sharded with FSDP2 over `mesh` (this rank's federation group), with
     initial weights that depend on the seed alone: the same for every algorithm, mesh and
     `model.init_device` (cpu: built in full, then sharded; meta: only this rank's shard exists)."""
-    meta = cfg.model.init_device == "meta"
-    model = build_model(llama_config(cfg.model, vocab_size), "meta" if meta else device)
-    checkpointing = cfg.model.get("activation_checkpointing", default_of("model.activation_checkpointing"))
+    meta = conf.model.init_device == "meta"
+    model = build_model(llama_config(conf.model, vocab_size), "meta" if meta else device)
     model = parallelize(
         model,
         mesh,
-        DTYPES[cfg.trainer.precision],
-        cfg.fsdp.reshard_root_after_forward,
-        checkpointing,
-        fsdp_reduce_dtype(cfg),
+        DTYPES[conf.trainer.precision],
+        conf.fsdp.reshard_root_after_forward,
+        conf.model.activation_checkpointing,
+        fsdp_reduce_dtype(conf),
     )
-    init_weights(model, device, cfg.seed)
+    init_weights(model, device, conf.seed)
     return model
 
 
@@ -110,13 +109,13 @@ class Placement:
     tokens_per_step: int
 
     @classmethod
-    def of(cls, cfg, blocks: Blocks, device: torch.device, member=None) -> Placement:
-        shape = mesh_shape(cfg)
+    def of(cls, conf: Config, blocks: Blocks, device: torch.device, member=None) -> Placement:
+        shape = mesh_shape(conf)
         local_shape = dataclasses.replace(shape, federation=1) if member else shape
         rank = dist.get_rank() + (member.group * shape.group_size if member else 0)
         mesh = build_mesh(local_shape, device.type)
-        steps = total_steps(cfg, blocks, shape.world)
-        tokens = shape.world * cfg.trainer.batch_size * blocks.train.shape[1]
+        steps = total_steps(conf.trainer, blocks, shape.world)
+        tokens = shape.world * conf.trainer.batch_size * blocks.train.shape[1]
         return cls(shape, local_shape, mesh, rank, steps, tokens)
 
     @property
@@ -125,11 +124,11 @@ class Placement:
         return self.rank // self.shape.group_size
 
 
-def build(cfg, blocks: Blocks, device: torch.device, place: Placement, member=None):
+def build(conf: Config, blocks: Blocks, device: torch.device, place: Placement, member=None):
     """What this rank trains (TrainingState) and, elastic, its torchft Federation (else None)."""
-    model = sharded_model(cfg, blocks.vocab_size, group_mesh(place.mesh, place.local_shape), device)
-    fedavg_cfg = FedAvgConfig.from_algorithm(cfg.algorithm)
-    federation = elastic_federation(cfg, member, place.shape) if member else None
+    model = sharded_model(conf, blocks.vocab_size, group_mesh(place.mesh, place.local_shape), device)
+    fedavg_cfg = FedAvgConfig.from_algorithm(conf.algorithm)
+    federation = elastic_federation(conf.cluster, member, place.shape) if member else None
     fedavg = (
         FedAvg(
             model,
@@ -137,25 +136,24 @@ def build(cfg, blocks: Blocks, device: torch.device, place: Placement, member=No
             place.shape,
             fedavg_cfg,
             last_step=place.steps,
-            resident=not cfg.trainer.async_save,
+            resident=not conf.trainer.async_save,
             elastic=federation,
         )
         if fedavg_cfg
         else None
     )
-    opt_cfg = typed(OptimizerConfig, cfg.optimizer, "optimizer")
-    optimizer = build_optimizer(model, opt_cfg)
-    scheduler = build_scheduler(optimizer, opt_cfg, place.steps)
-    state = TrainingState(model, optimizer, scheduler, fedavg, clip_norm=opt_cfg.clip_norm)
+    optimizer = build_optimizer(model, conf.optimizer)
+    scheduler = build_scheduler(optimizer, conf.optimizer, place.steps)
+    state = TrainingState(model, optimizer, scheduler, fedavg, clip_norm=conf.optimizer.clip_norm)
     return state, federation
 
 
-def comm_meter(cfg, place: Placement) -> CommMeter | None:
+def comm_meter(comm: CommConfig, network: list, place: Placement) -> CommMeter | None:
     """comm.measure or comm.emulate: counts every collective of a step per mesh dimension; with
-    emulation, slows each down to bytes / bandwidth of the network tier its group crosses."""
-    if not (cfg.comm.measure or cfg.comm.emulate):
+    emulation, slows each down to bytes / bandwidth of the network tier (topology.network) its group crosses."""
+    if not (comm.measure or comm.emulate):
         return None
-    emulated = tier_bandwidth(cfg.topology.network, place.shape, cfg.comm.scale) if cfg.comm.emulate else None
+    emulated = tier_bandwidth(network, place.shape, comm.scale) if comm.emulate else None
     return CommMeter(place.mesh, emulated)
 
 
@@ -168,19 +166,28 @@ class Checkpoints:
         self.owed = False  # a save due while a fragment's all-reduce was in flight
 
     @classmethod
-    def open(cls, cfg, run_dir: str, place: Placement, state: TrainingState, device, elastic: bool) -> Checkpoints:
-        if elastic or not (cfg.trainer.checkpoint_every or cfg.trainer.resume):
+    def open(
+        cls,
+        trainer: TrainerConfig,
+        algorithm: str,
+        run_dir: str,
+        place: Placement,
+        state: TrainingState,
+        device,
+        elastic: bool,
+    ) -> Checkpoints:
+        if elastic or not (trainer.checkpoint_every or trainer.resume):
             return cls(None, state, device)
         fedavg_cfg = state.fedavg.config if state.fedavg is not None else None
         checkpointer = Checkpointer(
             run_dir,
             place.shape,
-            cfg.algorithm.name,
-            cfg.trainer.checkpoint_every,
+            algorithm,
+            trainer.checkpoint_every,
             place.steps,
             stateful={"outer": state.fedavg} if state.fedavg is not None else None,
-            keep_last=cfg.trainer.keep_last,
-            async_save=cfg.trainer.async_save,
+            keep_last=trainer.keep_last,
+            async_save=trainer.async_save,
             schedule=fedavg_cfg.schedule if fedavg_cfg else None,
             fragments=fedavg_cfg.streaming.fragments if fedavg_cfg else 1,
         )
@@ -263,10 +270,13 @@ class RunRecords:
         return summary
 
 
-def evaluation_of(cfg, state: TrainingState, blocks: Blocks, device, place: Placement, elastic: bool) -> Evaluation:
+def evaluation_of(
+    conf: Config, state: TrainingState, blocks: Blocks, device, place: Placement, elastic: bool
+) -> Evaluation:
     """The run's evaluations, given the trainer's own settings (trainer.*) and the seed."""
-    trainer = typed(TrainerConfig, cfg.trainer, "trainer")
-    return Evaluation(state.model, trainer, cfg.seed, blocks, device, state.fedavg, state.partial, elastic, place.steps)
+    return Evaluation(
+        state.model, conf.trainer, conf.seed, blocks, device, state.fedavg, state.partial, elastic, place.steps
+    )
 
 
 def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None, member=None) -> dict | None:
@@ -277,30 +287,35 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None,
 
     member (fldp.elastic.Member): elastic federation. The process group is then this rank's
     federation group alone; the groups meet only at aggregations, through torchft. Group 0's rank 0
-    writes the run's records and summary, group g's rank 0 its own in run_dir/group_g/."""
-    place = Placement.of(cfg, blocks, device, member)
+    writes the run's records and summary, group g's rank 0 its own in run_dir/group_g/.
+
+    cfg: as composed (the records keep it); the rest reads it typed (fldp.config.load)."""
+    conf = load(cfg)
+    place = Placement.of(conf, blocks, device, member)
     drills = faults.Drills(place.group, member.restart if member else 0, elastic=member is not None)
     drills.start()  # before the group's torchft Manager exists: the others have not heard of it yet
-    state, federation = build(cfg, blocks, device, place, member)
+    state, federation = build(conf, blocks, device, place, member)
     healing = Healing(state, federation, member) if federation is not None else None
-    checkpoints = Checkpoints.open(cfg, run_dir, place, state, device, elastic=federation is not None)
+    checkpoints = Checkpoints.open(
+        conf.trainer, conf.algorithm.name, run_dir, place, state, device, elastic=federation is not None
+    )
     heal = None
     if healing is not None and member.restart:  # a restarted group: heal from a live peer at the next aggregation
         heal = healing.rejoin()
-    checkpoints.resume(run_dir, cfg.trainer.resume)
+    checkpoints.resume(run_dir, conf.trainer.resume)
     if on_step is not None and (state.step == 0 or heal):
         on_step(state.step, state, bool(heal))  # the initial weights (identical in every group: fldp.init), or healed
     train_step = TrainStep(
         state,
-        RankBatches(blocks.train, cfg.trainer.batch_size, place.rank, place.shape.world, cfg.seed),
+        RankBatches(blocks.train, conf.trainer.batch_size, place.rank, place.shape.world, conf.seed),
         device,
-        comm_meter(cfg, place),
+        comm_meter(conf.comm, conf.topology.network, place),
         drills,
     )
     records = RunRecords.open(cfg, run_dir, place, member, state.step)
     if heal:
         records.log(heal)
-    evaluation = evaluation_of(cfg, state, blocks, device, place, elastic=member is not None)
+    evaluation = evaluation_of(conf, state, blocks, device, place, elastic=member is not None)
     while state.step < place.steps:
         outcome = train_step()
         row = step_row(
@@ -324,15 +339,16 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None,
     return records.finish(cfg, place, state.fedavg, final, parameter_counts(state.model))
 
 
-def elastic_federation(cfg, member, shape):
-    """This rank's torchft Manager; its group's rendezvous store (the launcher's) is the Manager's."""
+def elastic_federation(cluster, member, shape):
+    """This rank's torchft Manager; its group's rendezvous store (the launcher's) is the Manager's.
+    cluster: the typed cluster section (its timeouts)."""
     return elastic.Federation(
         member,
         dist.get_rank(),
         shape,
         (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])),
-        cfg.cluster.timeout_s,
-        cfg.cluster.get("join_timeout_s", default_of("cluster.join_timeout_s")),
+        cluster.timeout_s,
+        cluster.join_timeout_s,
     )
 
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from conftest import compose_cfg, run_world
 
 from fldp.aggregation import FedAvg, FedAvgConfig
+from fldp.config import load
 from fldp.cost import config_model, config_shapes, model_units
 from fldp.data import prepare
 from fldp.memory import Shapes, for_config, for_shapes, layer_activations, rotary_tables
@@ -82,7 +83,7 @@ def _measure(cfg, blocks, out, device):
 
     shape = MeshShape(cfg.mesh.federation, cfg.mesh.replicate, cfg.mesh.shard)
     mesh = build_mesh(shape, "cpu")
-    model = sharded_model(cfg, blocks.vocab_size, group_mesh(mesh, shape), device)
+    model = sharded_model(load(cfg), blocks.vocab_size, group_mesh(mesh, shape), device)
     optimizer = build_optimizer(model, cfg.optimizer)
     config = FedAvgConfig.from_algorithm(cfg.algorithm)
     x = blocks.train[dist.get_rank() * 2 : dist.get_rank() * 2 + cfg.trainer.batch_size].long()

@@ -27,6 +27,7 @@ from conftest import QUICK, ROOT, cli, compose_cfg, read_rows, train_world
 from omegaconf import OmegaConf
 
 from fldp import launch, slurm
+from fldp.config import load
 from fldp.launch import WorkerError
 from fldp.mesh import ConfigError, mesh_shape
 from fldp.sweep import point_dirname
@@ -240,7 +241,7 @@ def test_dry_run_prints_the_checkpoint_size(algorithm, outer, per_param):
         "topology=leonardo_512", f"algorithm={algorithm}", "trainer.checkpoint_every=8", "trainer.keep_last=2", *outer
     )
     shape = mesh_shape(cfg)
-    text = slurm.describe(cfg, shape, slurm.job_parameters(cfg, shape))
+    text = slurm.describe(cfg, shape, slurm.job_parameters(load(cfg), shape))
     (line,) = [x for x in text.splitlines() if x.startswith("checkpoint:")]
     m = re.fullmatch(
         r"checkpoint: ([\d.]+ GB) per federation group x (\d+) = ([\d.]+ [GT]B) \(8.03 G parameters: "
@@ -319,10 +320,10 @@ def test_a_run_directory_with_a_percent_sign_keeps_it_out_of_sbatchs_log_paths(t
     by a value with '/' hold '%2F'."""
     cfg = compose_cfg("cluster=slurm")
     point = tmp_path / "sweep" / "dataset.cache_dir=%2Fwork%2Fcache,seed=1"
-    assert slurm.job_folder_of(cfg, str(tmp_path / "run")) == tmp_path / "run" / "slurm" / "%j"
-    assert slurm.job_folder_of(cfg, str(point)) == tmp_path / "sweep" / "slurm-jobs" / "%j"
+    assert slurm.job_folder_of(load(cfg).cluster, str(tmp_path / "run")) == tmp_path / "run" / "slurm" / "%j"
+    assert slurm.job_folder_of(load(cfg).cluster, str(point)) == tmp_path / "sweep" / "slurm-jobs" / "%j"
     with pytest.raises(ConfigError, match="cluster.folder=/work/100%: sbatch reads '%'"):
-        slurm.job_folder_of(compose_cfg("cluster=slurm", "cluster.folder=/work/100%"), str(point))
+        slurm.job_folder_of(load(compose_cfg("cluster=slurm", "cluster.folder=/work/100%")).cluster, str(point))
 
 
 def test_local_sweep_an_invalid_point_fails_alone(tmp_path):
@@ -458,7 +459,7 @@ def test_the_dry_runs_script_is_the_one_submitted(two_by_four, token_cache):
         "cluster.poll_s=1",
         "cluster.time_min=10",
     )
-    params = slurm.job_parameters(cfg, mesh_shape(cfg))
+    params = slurm.job_parameters(load(cfg), mesh_shape(cfg))
     assert slurm.sbatch_script(params, two_by_four["submitted"] / "slurm" / "%j") == real.read_text()
 
 
@@ -781,4 +782,4 @@ def test_a_sweep_skips_its_finished_point_and_its_point_past_the_time_limit_requ
 def test_gpu_topology_needs_one_gpu_per_rank():
     cfg = compose_cfg("topology=leonardo_512", "cluster.gpus_per_node=2")
     with pytest.raises(ConfigError, match="cluster.gpus_per_node=2 but topology.procs_per_node=4"):
-        slurm.job_parameters(cfg, mesh_shape(cfg))
+        slurm.job_parameters(load(cfg), mesh_shape(cfg))
