@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 from .arms import arms_of, overrides_of, resolved, shown
@@ -127,9 +128,31 @@ def tune_arms(study: Study, phase: Phase, reduced: bool, extend: dict[str, float
     return {a: [*own[a], f"{tune.key}={shown(v)}"] for a, v in extend.items()}
 
 
+def set_aside_unfinished(out: Path, phase: str) -> list[Path]:
+    """A run of the phase that stopped part-way (its records, no summary.json: the machine or the
+    session ended) and keeps no checkpoint to resume from is moved to OUT/interrupted/PHASE/, so
+    that the multirun makes it again from its start: fldp.train refuses a directory holding another
+    run's records, and a decision must not be read off a grid with a hole. Where it went, each."""
+    moved = []
+    for metrics in sorted((out / "runs" / phase).glob("*/metrics.jsonl")):
+        run = metrics.parent
+        if (run / "summary.json").exists() or any((run / "checkpoints").glob("step_*")):
+            continue
+        to = out / "interrupted" / phase / run.name
+        if to.exists():
+            to = to.with_name(f"{run.name}@{datetime.now():%Y%m%d-%H%M%S}")
+        to.parent.mkdir(parents=True, exist_ok=True)
+        run.rename(to)
+        moved.append(to)
+    return moved
+
+
 def run_phase(study: Study, out: Path, phase: Phase, arms: dict, seeds: dict, extra: list[str], start: float) -> int:
-    """The phase's multiruns of `arms` (each arm's overrides); 0 when every one succeeded."""
+    """The phase's multiruns of `arms` (each arm's overrides), its interrupted runs set aside
+    first; 0 when every one succeeded."""
     status = 0
+    for moved in set_aside_unfinished(out, phase.name):
+        print(f"{study.name}: {phase.name}: an interrupted run, set aside to be made again: {moved}", flush=True)
     for overrides, batch_seeds in batches(arms, Phase(phase.name, tuple(arms), None), seeds):
         print(
             f"{study.name}: {phase.name} {' '.join(overrides)} seed={','.join(map(str, batch_seeds))} "
@@ -173,8 +196,15 @@ def run(study: Study, out: Path, reduced: bool, until: str | None, overrides: li
         status |= run_phase(study, out, phase, arms, seeds, extra, start)
         # the grid's runs read once; this phase's arms only
         extend = {a: v for a, v in decide(out).extend.items() if a in phase.arms} if phase.name in tune else {}
-        if extend:  # the best at a grid's edge: one value past it, once
+        if extend and not status:  # the best at a grid's edge: one value past it, once
             status |= run_phase(study, out, phase, tune_arms(study, phase, reduced, extend), seeds, extra, start)
+        if status:  # what comes next is decided from this phase's runs: none may be missing
+            print(
+                f"{study.name}: {phase.name}: a run failed (its error above); the phases after it are not run, "
+                "since they are decided from its runs. Run the study again to retry it",
+                file=sys.stderr,
+            )
+            break
         if phase.name == until:
             break
     total = elapsed(out, time.monotonic() - start)

@@ -457,3 +457,47 @@ def test_the_science_report_made_again_from_its_committed_runs_has_the_committed
         assert_same_table(pd.read_csv(out / f"{name}.csv"), pd.read_csv(SCIENCE / f"{name}.csv"))
     losses_ = [c for c in pd.read_csv(SCIENCE / "drift.csv").columns if "train-loss" in c or "last step" in c]
     assert_same_table(pd.read_csv(out / "drift.csv"), pd.read_csv(SCIENCE / "drift.csv"), but=tuple(losses_))
+
+
+def test_an_interrupted_run_is_set_aside_to_be_made_again_and_a_finished_or_resumable_one_is_left(tmp_path):
+    """A run cut off part-way (the session or the machine ended: records, no summary.json, no
+    checkpoint) would be refused by fldp.train as another run's directory, and the study would
+    decide from a grid with a hole (the ladder's tuning, 2026-12-07): it is moved aside instead."""
+    from analysis.study_run import set_aside_unfinished
+
+    phase = tmp_path / "runs" / "tune"
+    for name, files in {
+        "cut": ["metrics.jsonl"],
+        "done": ["metrics.jsonl", "summary.json"],
+        "resumable": ["metrics.jsonl", "checkpoints/step_4/x"],
+        "never_stepped": [".hydra/config.yaml"],
+    }.items():
+        for f in files:
+            (phase / name / f).parent.mkdir(parents=True, exist_ok=True)
+            (phase / name / f).write_text("{}")
+    assert set_aside_unfinished(tmp_path, "tune") == [tmp_path / "interrupted" / "tune" / "cut"]
+    assert sorted(p.name for p in phase.iterdir()) == ["done", "never_stepped", "resumable"]
+    (phase / "cut").mkdir()
+    (phase / "cut" / "metrics.jsonl").write_text("{}")  # cut off again: kept beside the first
+    (again,) = set_aside_unfinished(tmp_path, "tune")
+    assert again.name.startswith("cut@") and (tmp_path / "interrupted" / "tune" / "cut").is_dir()
+
+
+def test_a_phase_whose_run_failed_stops_the_study_before_the_phases_decided_from_it(tmp_path, monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from analysis import study_run
+
+    issued: list[list[str]] = []
+
+    def failing(cmd, **kw):
+        issued.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1)
+
+    monkeypatch.setattr(study_run.subprocess, "run", failing)
+    decided = SimpleNamespace(seeds={"a": 2}, chosen={}, extend={})
+    study = load(PRECISION)  # pilot, then judge on the seeds the pilot decides
+    status = study_run.run(study, tmp_path, True, None, [], lambda out: decided)
+    assert status == 1 and issued, issued
+    assert all("hydra.sweep.dir=" + str(tmp_path / "runs" / "pilot") in cmd for cmd in issued), issued
+    assert "the phases after it are not run" in capsys.readouterr().err
