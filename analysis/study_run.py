@@ -225,25 +225,33 @@ def finished_seeds(out: Path, phase: str, study: Study, chosen: dict[str, float]
 
 def status_lines(study: Study, out: Path, reduced: bool, decided) -> list[str]:
     """Per phase and arm: the runs finished of those the phase asks for, and a time estimate for
-    what is left from the arm's own runs so far (`decided`: analysis.study.decide on them)."""
-    lines, left_s = [], 0.0
+    what is left from the arm's finished runs in any phase (its tuning runs time its judging ones);
+    the runs of an arm with none finished yet are counted apart, never estimated as zero
+    (`decided`: analysis.study.decide on them)."""
+    finished = {p.name: finished_seeds(out, p.name, study, decided.chosen) for p in study.phases}
+    per_run = {
+        arm: sum(times) / len(times)
+        for arm in {a for f in finished.values() for a in f}
+        if (times := [t for f in finished.values() for t in f.get(arm, {}).values()])
+    }
+    lines, left_s, unknown = [], 0.0, 0
     for phase in study.phases:
         seeds = phase_seeds(study, phase, reduced, decided.seeds)
-        finished = finished_seeds(out, phase.name, study, decided.chosen)
         for arm in phase.arms:
-            done = finished.get(arm, {})
-            if not phase.run:
-                lines.append(f"{phase.name:8} {arm:16} {len(done)} finished; not run again (run: false)")
-                continue
-            if seeds is None:
-                lines.append(f"{phase.name:8} {arm:16} {len(done)} finished; seeds not decided yet")
+            done = finished[phase.name].get(arm, {})
+            if not phase.run or seeds is None:
+                why = "not run again (run: false)" if not phase.run else "seeds not decided yet"
+                lines.append(f"{phase.name:8} {arm:16} {len(done)} finished; {why}")
                 continue
             missing = [s for s in seeds[arm] if s not in done]
-            per_run = sum(done.values()) / len(done) if done else None
-            left_s += per_run * len(missing) if per_run else 0.0
+            left_s += per_run.get(arm, 0.0) * len(missing)
+            unknown += len(missing) if arm not in per_run else 0
             lines.append(
                 f"{phase.name:8} {arm:16} {len(seeds[arm]) - len(missing)}/{len(seeds[arm])} finished"
-                + (f", ~{per_run * len(missing) / 60:.0f} min left" if missing and per_run else "")
+                + (f", ~{per_run[arm] * len(missing) / 60:.0f} min left" if missing and arm in per_run else "")
             )
-    lines.append(f"left: ~{left_s / 60:.0f} min of training at the finished runs' times (startup not counted)")
+    lines.append(
+        f"left: ~{left_s / 60:.0f} min of training at the arms' finished runs' times (startup not counted)"
+        + (f"; {unknown} runs of arms with no finished run yet, not estimated" if unknown else "")
+    )
     return lines

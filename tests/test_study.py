@@ -501,3 +501,23 @@ def test_a_phase_whose_run_failed_stops_the_study_before_the_phases_decided_from
     assert status == 1 and issued, issued
     assert all("hydra.sweep.dir=" + str(tmp_path / "runs" / "pilot") in cmd for cmd in issued), issued
     assert "the phases after it are not run" in capsys.readouterr().err
+
+
+def test_status_times_what_is_left_from_the_arms_runs_in_any_phase_and_counts_the_rest_apart(tmp_path):
+    """The ladder's status said "left: ~9 min" with 48 runs of rungs not begun: an arm with no
+    finished run in a phase was estimated at zero. Its tuning runs time its judging ones, and runs
+    of an arm with none finished anywhere are counted, not estimated."""
+    from types import SimpleNamespace
+
+    from analysis.study_run import status_lines
+
+    study = load(ROOT / "experiments" / "ladder")
+    point = "+experiment=paper_shape,algorithm=fsdp,dataset=english_pd,model=tiny_llama,optimizer.lr=0.003"
+    run = tmp_path / "runs" / "tune-small" / f"{point},seed=100,trainer.precision=fp32,trainer.steps=64"
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({"seed": 100, "train_time_s": 600.0}))
+    decided = SimpleNamespace(seeds={}, chosen={"fsdp-l0": 0.003})
+    lines = status_lines(study, tmp_path, False, decided)
+    assert any(line.split()[:2] == ["judge-small", "fsdp-l0"] and "~50 min left" in line for line in lines), lines
+    unbegun = 7 * 1 + 7 * 5 + 2 * (4 * 1 + 4 * 5)  # the small rungs' other arms, then l2 and l3
+    assert lines[-1].startswith("left: ~50 min") and f"; {unbegun} runs of arms with no finished" in lines[-1]
