@@ -35,10 +35,11 @@ def workload() -> Workload:
     from hydra import compose, initialize_config_dir
 
     from fldp import CONF
+    from fldp.config import load
 
     with initialize_config_dir(str(CONF), version_base="1.3"):
         cfg = compose("config", overrides=["topology=leonardo_512", "model=llama3_1_8b"])
-    return workload_for(cfg)
+    return workload_for(load(cfg))
 
 
 LEONARDO = Hardware()  # the published figures (fldp/steptime.py)

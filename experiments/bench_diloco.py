@@ -37,13 +37,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_netns import compose_cfg, write_results  # noqa: E402  (this script's folder is on sys.path)
+from bench_netns import compose_cfg, fork, write_results  # noqa: E402  (this script's folder is on sys.path)
 
 from analysis.stats import paired_ratio  # noqa: E402
 from fldp import elastic, netns  # noqa: E402
+from fldp.config import load  # noqa: E402
 from fldp.cost import model_units, predict_for  # noqa: E402
 from fldp.data import RankBatches, prepare  # noqa: E402
-from fldp.launch import run_local  # noqa: E402
 from fldp.mesh import mesh_shape  # noqa: E402
 from fldp.model import DTYPES, build_model, llama_config  # noqa: E402
 
@@ -139,9 +139,7 @@ def per_period(seconds: list[float], aggregated: list[bool]) -> dict:
 
 def run_fldp(cfg, blocks, tmp: Path) -> tuple[dict, list[float]]:
     run_dir = tmp / f"fldp-{time.monotonic_ns()}"
-    run_local(
-        _fldp, (cfg, str(run_dir), blocks), mesh_shape(cfg).world, "cpu", cfg.cluster, network=netns.from_config(cfg)
-    )
+    fork(_fldp, cfg, (cfg, str(run_dir), blocks))
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r.get("split") is None]
     return per_period([r["time_step"] for r in steps], [r["aggregated"] for r in steps]), [r["loss"] for r in steps]
@@ -151,7 +149,7 @@ def run_torchft(cfg, blocks, tmp: Path) -> tuple[dict, list[float]]:
     out = tmp / f"torchft-{time.monotonic_ns()}"
     out.mkdir()
     elastic.run_local(
-        _torchft, (cfg, blocks, str(out)), mesh_shape(cfg), cfg.cluster, str(out), network=netns.from_config(cfg)
+        _torchft, (cfg, blocks, str(out)), mesh_shape(cfg), cfg.cluster, str(out), network=netns.from_config(load(cfg))
     )
     groups = [json.loads((out / f"torchft_g{g}.json").read_text()) for g in range(GROUPS)]
     losses = [sum(g["loss"][i] for g in groups) / GROUPS for i in range(STEPS)]  # fldp's row: the ranks' mean
@@ -166,7 +164,7 @@ def main() -> None:
     args = ap.parse_args()
     start = time.monotonic()
     cfg0 = compose_cfg(*LAYOUT, "seed=0")
-    netns.check(cfg0, forks_locally=True)
+    netns.check(load(cfg0), forks_locally=True)
     blocks = prepare(cfg0.dataset)
     import torchft.local_sgd  # noqa: F401
 
@@ -175,7 +173,7 @@ def main() -> None:
     units = model_units(
         build_model(llama_config(cfg0.model, blocks.vocab_size), "meta"), DTYPES[cfg0.trainer.precision]
     )
-    model_s = predict_for(cfg0, units).exposed_aggregation(0.0)  # one aggregation's all-reduce on the link
+    model_s = predict_for(load(cfg0), units).exposed_aggregation(0.0)  # one aggregation's all-reduce on the link
     results, gaps = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for seed in range(args.seeds):

@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT / "experiments"))
 
 from bench_netns import compose_cfg, write_results  # noqa: E402
 
+from fldp.config import load  # noqa: E402
 from fldp.cost import config_model  # noqa: E402
 from fldp.model import parameter_counts  # noqa: E402
 from fldp.provenance import source_commit  # noqa: E402
@@ -61,7 +62,7 @@ def matmul_peak(n: int, repeats: int = 5) -> float:
 
 def parameters(cfg) -> dict[str, int]:
     """The model's parameters (fldp.model.parameter_counts)."""
-    return parameter_counts(config_model(cfg)[0])
+    return parameter_counts(config_model(load(cfg))[0])
 
 
 def simulated(cfg, run_dir: Path) -> list[dict]:

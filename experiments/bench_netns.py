@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 import fldp  # noqa: E402,F401
 from fldp import netns  # noqa: E402
+from fldp.config import load  # noqa: E402
 from fldp.cost import config_model, link_extra, predict_for  # noqa: E402
 from fldp.data import prepare  # noqa: E402
 from fldp.launch import run_local  # noqa: E402
@@ -98,6 +99,12 @@ class LinkMeter:
         self.last = tx
 
 
+def fork(fn, cfg, args: tuple) -> None:
+    """fn(*args, device) on the config's ranks, forked here as fldp.train forks them (on its
+    emulated nodes, if the topology has them)."""
+    run_local(fn, args, mesh_shape(cfg).world, "cpu", cfg.cluster, network=netns.from_config(load(cfg)))
+
+
 def _train(cfg, run_dir, blocks, meter, device):
     from fldp.trainer import train
 
@@ -109,7 +116,7 @@ def run(cfg, blocks, tmp: Path) -> dict:
     seconds, so more repeats fit), through the same launcher and trainer as `python -m fldp.train`."""
     run_dir = tmp / f"{cfg.algorithm.name}-{time.monotonic_ns()}"
     shape = mesh_shape(cfg)
-    network = netns.from_config(cfg)
+    network = netns.from_config(load(cfg))
     meter = LinkMeter(run_dir.with_suffix(".link.json")) if network else None
     run_local(_train, (cfg, str(run_dir), blocks, meter), shape.world, "cpu", cfg.cluster, network=network)
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -147,7 +154,7 @@ def main() -> None:
         *args.overrides,
     ]
     cfg0 = compose_cfg(*common)
-    netns.check(cfg0, forks_locally=True)
+    netns.check(load(cfg0), forks_locally=True)
     samples = paired_samples(cfg0, common, algorithms, args.repeats)
     rows = {a: row(compose_cfg(f"algorithm={a}", *common), samples[a]) for a in algorithms}
     link = cfg0.topology.network[-1]
@@ -181,8 +188,9 @@ def paired_samples(cfg0, common: list[str], algorithms: list[str], repeats: int)
 
 def row(cfg, samples: dict) -> dict:
     """One algorithm's medians beside the cost model's prediction of the link's extra."""
-    _, units = config_model(cfg)
-    pred, extra = predict_for(cfg, units), link_extra(cfg, units)
+    conf = load(cfg)
+    _, units = config_model(conf)
+    pred, extra = predict_for(conf, units), link_extra(conf, units)
     med = {side: statistics.median(s["step_s"] for s in samples[side]) for side in ("loopback", "netns")}
     return {
         "mesh": str(mesh_shape(cfg)),

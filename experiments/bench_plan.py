@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT / "experiments"))
 from bench_netns import compose_cfg, run, write_results  # noqa: E402
 
 from fldp import netns  # noqa: E402
+from fldp.config import load  # noqa: E402
 from fldp.cost import leads  # noqa: E402
 from fldp.data import prepare  # noqa: E402
 from fldp.mesh import mesh_shape  # noqa: E402
@@ -81,8 +82,9 @@ def predicted(cfg, every: int | None) -> dict[str, float]:
     """Seconds per step of each phase by the step-time model, on the profile's hardware, in the run's
     FedAvg mode; the aggregation amortised over the run's own aggregating steps, as the measurement
     is (its last step always aggregates: with A = 16 and 8 steps, 1 in 8, not 1 in 16)."""
-    hw = hardware_for(cfg.topology)
-    by_phase = phases(workload_for(cfg), mesh_shape(cfg), every, hw, MEASURED, leads(cfg))
+    conf = load(cfg)
+    hw = hardware_for(conf.topology)
+    by_phase = phases(workload_for(conf), mesh_shape(cfg), every, hw, MEASURED, leads(conf))
     if every:
         steps = cfg.trainer.steps
         by_phase["aggregation"] *= every * len(aggregation_steps(((0, every),), steps)) / steps
@@ -127,7 +129,7 @@ def measure(setting: list[str], everies: list[int], profile: Path, args, tmp: Pa
     up to `max_repeats`, where its interval is wider than +-half_width)."""
     common = [*setting, f"+topology.profile={profile}", f"trainer.steps={args.steps}", *QUIET, *args.overrides]
     cfgs = [compose_cfg(*common, *p) for p in points(setting, everies, set(args.layouts))]
-    netns.check(cfgs[0], forks_locally=True)
+    netns.check(load(cfgs[0]), forks_locally=True)
     blocks = prepare(cfgs[0].dataset)
     import fldp.trainer  # noqa: F401  (once here, not in every forked worker)
 

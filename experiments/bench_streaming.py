@@ -45,14 +45,13 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_netns import compose_cfg, write_results  # noqa: E402  (this script's folder is on sys.path)
+from bench_netns import compose_cfg, fork, write_results  # noqa: E402  (this script's folder is on sys.path)
 
 from analysis.stats import TIE_HIGH, TIE_LOW, paired_ratio  # noqa: E402
 from fldp import netns  # noqa: E402
+from fldp.config import load  # noqa: E402
 from fldp.cost import config_model, predict_for  # noqa: E402
 from fldp.data import prepare  # noqa: E402
-from fldp.launch import run_local  # noqa: E402
-from fldp.mesh import mesh_shape  # noqa: E402
 
 EVERY, STEPS, WINDOW = 8, 17, range(2, 17)  # WINDOW: two whole periods
 PERIODS = len(WINDOW) / EVERY
@@ -97,9 +96,7 @@ def overrides(algorithm: str, variant: str, seed: int, extra=()) -> list[str]:
 def run(cfg, blocks, tmp: Path) -> dict:
     """One run through the launcher and trainer `python -m fldp.train` uses, forked from here."""
     run_dir = tmp / f"{cfg.algorithm.name}-{time.monotonic_ns()}"
-    run_local(
-        _train, (cfg, str(run_dir), blocks), mesh_shape(cfg).world, "cpu", cfg.cluster, network=netns.from_config(cfg)
-    )
+    fork(_train, cfg, (cfg, str(run_dir), blocks))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["network"] == "netns", summary["network"]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -132,7 +129,7 @@ def main() -> None:
         ap.error(f"--variants: plain and any of {', '.join(VARIANTS)}; --algorithms: any of {', '.join(ALGORITHMS)}")
     start = time.monotonic()
     cfg0 = compose_cfg(*overrides(algorithms[0], "plain", 0, args.overrides))
-    netns.check(cfg0, forks_locally=True)
+    netns.check(load(cfg0), forks_locally=True)
     blocks = prepare(cfg0.dataset)
     import fldp.trainer  # noqa: F401  (once here, not in every forked worker)
 
@@ -153,7 +150,7 @@ def main() -> None:
 
 def sweep(cfg0, blocks, algorithms: list[str], variants: list[str], args) -> list[dict]:
     """Every seed x algorithm x variant run once, seed by seed, each beside the model's prediction."""
-    _, units = config_model(cfg0)
+    _, units = config_model(load(cfg0))
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for seed in range(args.seeds):
@@ -161,7 +158,7 @@ def sweep(cfg0, blocks, algorithms: list[str], variants: list[str], args) -> lis
                 for variant in variants:
                     cfg = compose_cfg(*overrides(algorithm, variant, seed, args.overrides))
                     measured = run(cfg, blocks, Path(tmp))
-                    pred = predict_for(cfg, units)
+                    pred = predict_for(load(cfg), units)
                     results.append(
                         {
                             "seed": seed,

@@ -39,15 +39,18 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import yaml
 
 from .errors import ConfigError, Interrupted, WorkerError, parsed_or_exit, tool_arguments
 from .steptime import STEP_PHASES
+
+if TYPE_CHECKING:
+    from .config import Config
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 DEFAULT_SIZES = tuple(4096 * 4**k for k in range(7))  # 4 KiB .. 16 MiB, x4
@@ -113,8 +116,8 @@ def settings_of(overrides: list[str]) -> tuple[Settings, list[str]]:
     return Settings(**values), rest
 
 
-def compose(overrides: list[str]):
-    """The config, checked as fldp-train checks it, and the emulated nodes' requirements."""
+def compose(overrides: list[str]) -> Config:
+    """The config, checked as fldp-train checks it, and the emulated nodes' requirements; typed."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
@@ -126,8 +129,9 @@ def compose(overrides: list[str]):
     with initialize_config_dir(str(CONF), version_base="1.3"):
         cfg = hydra_compose("config", overrides=overrides)
     check(cfg)
-    netns.check(cfg, forks_locally=not submits(load(cfg).cluster))
-    return cfg
+    conf = load(cfg)
+    netns.check(conf, forks_locally=not submits(conf.cluster))
+    return conf
 
 
 # ---------------------------------------------------------------- the ring model and its fit
@@ -259,7 +263,7 @@ def _median_time(fn, settings: Settings, device) -> float:
     return statistics.median([_once(fn, device) for _ in range(settings.warmup + settings.repeats)][settings.warmup :])
 
 
-def measure_compute(cfg, settings: Settings, device) -> dict:
+def measure_compute(conf: Config, settings: Settings, device) -> dict:
     """One decoder layer of the model on the run's tokens per rank: forward, forward + backward."""
     import torch
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
@@ -268,9 +272,9 @@ def measure_compute(cfg, settings: Settings, device) -> dict:
     from .model import DTYPES
     from .steptime import flops_per_token
 
-    model, _ = config_model(cfg)  # on the meta device: the config and the parameter counts
-    config, dtype = model.config, DTYPES[cfg.trainer.precision]
-    batch, seq = int(cfg.trainer.batch_size), int(cfg.dataset.block_size)
+    model, _ = config_model(conf)  # on the meta device: the config and the parameter counts
+    config, dtype = model.config, DTYPES[conf.trainer.precision]
+    batch, seq = conf.trainer.batch_size, conf.dataset.block_size
     torch.manual_seed(0)
     with torch.device(device):
         layer = LlamaDecoderLayer(config, layer_idx=0).to(dtype)
@@ -288,7 +292,7 @@ def measure_compute(cfg, settings: Settings, device) -> dict:
     step: dict = {}
     if whole:  # the model's own step: its layers, head, norms and the framework's overhead
         model_train, optimizer, opt_bytes = _whole_model(config, dtype, batch, seq, settings, device)
-        step = trainer_step(cfg, config.vocab_size, settings, device)
+        step = trainer_step(conf, config.vocab_size, settings, device)
         step["flop_s_step"] = 3 * model_flops * tokens / (step["step_forward_s"] + step["step_backward_s"])
         step["optimizer_bytes_s_step"] = 7 * opt_bytes / step["step_optimizer_s"]
     else:  # its layers and its head (lm_head and the loss), as they take their time
@@ -338,7 +342,7 @@ def _whole_model(config, dtype, batch: int, seq: int, settings: Settings, device
     return train_s, _median_time(adamw.step, settings, device), nbytes
 
 
-def trainer_step(cfg, vocab_size: int, settings: Settings, device) -> dict:
+def trainer_step(conf: Config, vocab_size: int, settings: Settings, device) -> dict:
     """The trainer's own step, every rank at once: the model as fldp.trainer shards it and the run's
     optimizer; forward (with the loss), backward and the optimizer timed as fldp.step.TrainStep
     times them (median of calibrate.step_repeats after warm-up). It holds what the bare model's step
@@ -353,12 +357,12 @@ def trainer_step(cfg, vocab_size: int, settings: Settings, device) -> dict:
 
     from .mesh import MeshShape
 
-    world, per_node = dist.get_world_size(), int(cfg.topology.procs_per_node)
+    world, per_node = dist.get_world_size(), conf.topology.procs_per_node
     shapes = {"step": MeshShape(world, 1, 1)}
     if per_node > 1 and world % per_node == 0:
         shapes["sharded_step"] = MeshShape(world // per_node, 1, per_node)
-    steps = {name: _step_of(cfg, vocab_size, shape, device) for name, shape in shapes.items()}
-    ids = torch.randint(vocab_size, (int(cfg.trainer.batch_size), int(cfg.dataset.block_size)), device=device)
+    steps = {name: _step_of(conf, vocab_size, shape, device) for name, shape in shapes.items()}
+    ids = torch.randint(vocab_size, (conf.trainer.batch_size, conf.dataset.block_size), device=device)
     laps: dict[str, list[dict]] = {name: [] for name in steps}
     for _ in range(settings.warmup + settings.step_repeats):
         for name, step in steps.items():
@@ -372,15 +376,13 @@ def trainer_step(cfg, vocab_size: int, settings: Settings, device) -> dict:
     return out
 
 
-def _step_of(cfg, vocab_size: int, shape, device):
+def _step_of(conf: Config, vocab_size: int, shape, device):
     """The trainer's model on `shape` and the run's optimizer: a function of the tokens that takes
     one step and gives its phases' seconds, timed as fldp.step.TrainStep times them."""
-    from .config import load
     from .mesh import build_mesh, group_mesh
     from .step import PhaseTimer
     from .trainer import build_optimizer, sharded_model
 
-    conf = load(cfg)
     model = sharded_model(conf, vocab_size, group_mesh(build_mesh(shape, device.type), shape), device)
     optimizer = build_optimizer(model, conf.optimizer)
     timer = PhaseTimer(device)
@@ -449,7 +451,7 @@ def _median_over_ranks(computed: list[dict]) -> dict:
     return out
 
 
-def calibrate_rank(cfg, settings: Settings, out: str, device) -> None:
+def calibrate_rank(conf: Config, settings: Settings, out: str, device) -> None:
     """Every rank: the compute, all ranks at once (the median rank's; a GPU each has its own, the
     cores of a CPU node its ranks share, as in a run), then the tiers' collectives; rank 0 writes
     the profile."""
@@ -457,19 +459,19 @@ def calibrate_rank(cfg, settings: Settings, out: str, device) -> None:
 
     from .model import DTYPES
 
-    topology = cfg.topology
+    topology = conf.topology
     dist.barrier()  # every rank computes at once, as in a run: on a CPU the node's ranks share its cores
     computed: list = [None] * dist.get_world_size()
-    dist.all_gather_object(computed, measure_compute(cfg, settings, device))
+    dist.all_gather_object(computed, measure_compute(conf, settings, device))
     compute = _median_over_ranks(computed)
-    dtype = DTYPES[cfg.trainer.precision]
+    dtype = DTYPES[conf.trainer.precision]
     tiers = tiers_of(topology.nodes, topology.procs_per_node, settings.shared)
     measured = {tier.name: time_tier(tier, settings, dtype, device) for tier in tiers}
     if dist.get_rank() == 0:
-        write(profile(cfg, settings, tiers, measured, compute, dist.get_backend()), out)
+        write(profile(conf, settings, tiers, measured, compute, dist.get_backend()), out)
 
 
-def profile(cfg, settings: Settings, tiers: list[Tier], measured: dict, compute: dict, backend: str) -> dict:
+def profile(conf: Config, settings: Settings, tiers: list[Tier], measured: dict, compute: dict, backend: str) -> dict:
     """What fldp-calibrate writes: the machine, the compute, each tier's fit and its table."""
     from .netns import from_config
     from .provenance import source_commit
@@ -489,29 +491,29 @@ def profile(cfg, settings: Settings, tiers: list[Tier], measured: dict, compute:
             "sizes": list(settings.sizes),
             "measured": measured[tier.name],  # {kind: [[bytes, median seconds], ...]}
         }
-    network = from_config(cfg)
-    t = cfg.topology
+    network = from_config(conf)
+    t = conf.topology
     out = {
         "format": FORMAT,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": source_commit(),
-        "machine": _machine(cfg, backend),
+        "machine": _machine(conf, backend),
         "topology": {"name": t.name, "nodes": t.nodes, "procs_per_node": t.procs_per_node, "device": t.device},
         "emulated_link": network.describe() if network else None,
-        "model": {"name": cfg.model.name, "precision": cfg.trainer.precision},
+        "model": {"name": conf.model.name, "precision": conf.trainer.precision},
         "settings": {"repeats": settings.repeats, "step_repeats": settings.step_repeats, "warmup": settings.warmup},
         "compute": compute,
         "tiers": out_tiers,
     }
     # the sharded step against the model's terms: the optimizer's fixed part, FSDP2's own work
-    out["compute"] = {**compute, **sharded_terms(out, workload_for(cfg))}
+    out["compute"] = {**compute, **sharded_terms(out, workload_for(conf))}
     return out
 
 
-def _machine(cfg, backend: str) -> dict:
+def _machine(conf: Config, backend: str) -> dict:
     import torch
 
-    cuda = cfg.topology.device == "cuda" and torch.cuda.is_available()
+    cuda = conf.topology.device == "cuda" and torch.cuda.is_available()
     return {
         "system": f"{platform.system()} {platform.release()}",
         "arch": platform.machine(),
@@ -548,22 +550,21 @@ def default_out() -> str:
     return str(Path("outputs", now.strftime("%Y-%m-%d"), now.strftime("%H-%M-%S") + "_calibrate", "profile.yaml"))
 
 
-def run(cfg, settings: Settings, out: str) -> bool:
+def run(conf: Config, settings: Settings, out: str) -> bool:
     """The measurement on this machine's forked ranks (in their namespaces on emulated nodes), or
     as one SLURM job; False when nothing was measured (a dry run)."""
-    from .config import load
     from .launch import run_local
     from .netns import from_config
     from .slurm import submits
 
-    if submits(load(cfg).cluster):
-        return _submit(cfg, settings, out)
-    world = cfg.topology.nodes * cfg.topology.procs_per_node
-    run_local(calibrate_rank, (cfg, settings, out), world, cfg.topology.device, cfg.cluster, from_config(cfg))
+    if submits(conf.cluster):
+        return _submit(conf, settings, out)
+    world = conf.topology.nodes * conf.topology.procs_per_node
+    run_local(calibrate_rank, (conf, settings, out), world, conf.topology.device, conf.cluster, from_config(conf))
     return True
 
 
-def _slurm_task(cfg, run_dir: str, settings: Settings, out: str) -> None:
+def _slurm_task(conf: Config, run_dir: str, settings: Settings, out: str) -> None:
     """A task of the SLURM job: its rank, then rank 0 writes the summary fldp.slurm.outcome wants."""
     import json
 
@@ -574,35 +575,33 @@ def _slurm_task(cfg, run_dir: str, settings: Settings, out: str) -> None:
     env = from_environment()
     if env is None:
         raise RuntimeError("fldp-calibrate: not a task of a multi-task SLURM step")
-    device = init_process_group(env, cfg.topology.device, cfg.cluster.timeout_s)
-    calibrate_rank(cfg, settings, out, device)
+    device = init_process_group(env, conf.topology.device, conf.cluster.timeout_s)
+    calibrate_rank(conf, settings, out, device)
     if env.rank == 0:
         Path(run_dir, "summary.json").write_text(json.dumps({"profile": out}))
     dist.destroy_process_group()
 
 
-def _submit(cfg, settings: Settings, out: str) -> bool:
+def _submit(conf: Config, settings: Settings, out: str) -> bool:
     """One job of topology.nodes x procs_per_node tasks, as fldp-train submits a run (fldp.slurm)."""
-    from omegaconf import open_dict
-
-    from .config import load
     from .mesh import MeshShape
     from .slurm import follow, job_folder_of, job_parameters, sbatch_script, submit_job
 
-    shape = MeshShape(1, 1, cfg.topology.nodes * cfg.topology.procs_per_node)
+    shape = MeshShape(1, 1, conf.topology.nodes * conf.topology.procs_per_node)
     run_dir = str(Path(out).absolute().parent)
-    cfg = cfg.copy()
-    with open_dict(cfg):
-        cfg.cluster.max_requeue = 0  # a measurement has no checkpoint to requeue from
-        cfg.algorithm.name = "calibrate"  # the job's name: fldp-calibrate-<topology>
-    if cfg.cluster.dry_run:
-        conf = load(cfg)
+    conf = replace(
+        conf,
+        cluster=replace(conf.cluster, max_requeue=0),  # a measurement has no checkpoint to requeue from
+        algorithm=replace(conf.algorithm, name="calibrate"),  # the job's name: fldp-calibrate-<topology>
+        topology=replace(conf.topology, paper_setting=False),  # a measurement, not a run of the paper's setting
+    )
+    if conf.cluster.dry_run:
         script = sbatch_script(job_parameters(conf, shape), job_folder_of(conf.cluster, run_dir))
-        print(f"fldp-calibrate: dry run (cluster={cfg.cluster.name}): nothing submitted\n{script}")
+        print(f"fldp-calibrate: dry run (cluster={conf.cluster.name}): nothing submitted\n{script}")
         return False
     task = functools.partial(_slurm_task, settings=settings, out=str(Path(out).absolute()))
-    job = submit_job(cfg, run_dir, shape, task)
-    follow(job, run_dir, cfg.cluster.poll_s)
+    job = submit_job(conf, run_dir, shape, task)
+    follow(job, run_dir, conf.cluster.poll_s)
     return True
 
 
@@ -615,11 +614,11 @@ def main(argv: list[str] | None = None) -> None:
         settings, overrides = settings_of(args)
         return settings, overrides, compose(overrides)
 
-    settings, overrides, cfg = parsed_or_exit("fldp-calibrate", parse)
+    settings, overrides, conf = parsed_or_exit("fldp-calibrate", parse)
     out = settings.out or default_out()
     start = time.monotonic()
     try:
-        measured = run(cfg, settings, out)
+        measured = run(conf, settings, out)
     except Interrupted as e:  # the workers were stopped and the namespaces removed
         print(f"fldp-calibrate: {e}", file=sys.stderr)
         raise SystemExit(e.exit_code) from None

@@ -30,6 +30,7 @@ import shutil
 import signal
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from .errors import WriteError
 from .mesh import ConfigError, MeshShape
+
+if TYPE_CHECKING:
+    from .config import Config
 
 MARKER = "COMPLETE"
 
@@ -380,7 +384,7 @@ class Checkpointer:
 # --- how big a checkpoint is (the dry run prints it) --------------------------------------------
 
 
-def group_bytes(cfg, shape: MeshShape, names_sizes: list[tuple[str, int]]) -> tuple[int, str]:
+def group_bytes(conf: Config, shape: MeshShape, names_sizes: list[tuple[str, int]]) -> tuple[int, str]:
     """Bytes of one federation group's checkpoint, from the parameters' names and element counts,
     and what they hold: the parameters and the inner optimiser's state in the parameter dtype
     (AdamW: 2 moments; SGD with momentum: 1; DCP saves the group's replicas once), plus the outer
@@ -392,16 +396,16 @@ def group_bytes(cfg, shape: MeshShape, names_sizes: list[tuple[str, int]]) -> tu
     from .aggregation import FedAvgConfig
     from .model import DTYPES
 
-    width = DTYPES[cfg.trainer.precision].itemsize
-    inner = {"adamw": 2, "sgd": 1 if cfg.optimizer.momentum else 0}[cfg.optimizer.name]
+    width = DTYPES[conf.trainer.precision].itemsize
+    inner = {"adamw": 2, "sgd": 1 if conf.optimizer.momentum else 0}[conf.optimizer.name]
     total = sum(n for _, n in names_sizes) * width * (1 + inner)
-    held = f"{cfg.trainer.precision} weights" + (f" + {cfg.optimizer.name} {inner} moment(s)" if inner else "")
-    federation = FedAvgConfig.from_algorithm(cfg.algorithm)
+    held = f"{conf.trainer.precision} weights" + (f" + {conf.optimizer.name} {inner} moment(s)" if inner else "")
+    federation = FedAvgConfig.from_algorithm(conf.algorithm)
     if federation is None:
         return total, held
     names = [name for name, _ in names_sizes]
     federated = sum(n for (_, n), keep in zip(names_sizes, federation.federated(names)) if keep)
-    if federation.outer.reduce_dtype not in (None, cfg.trainer.precision) or federation.outer.quantize:
+    if federation.outer.reduce_dtype not in (None, conf.trainer.precision) or federation.outer.quantize:
         # a casting or quantised reduce: every replica keeps the weights of the last aggregation (the reference)
         total += shape.replicate * federated * width
         held += f" + the last aggregation's weights x {shape.replicate} replicas"
@@ -424,23 +428,23 @@ def _amount(n: float, unit: str = "B") -> str:
     return f"{n / scale[0]:.3g} {scale[1]}{unit}"
 
 
-def size_line(cfg, shape: MeshShape) -> str:
+def size_line(conf: Config, shape: MeshShape) -> str:
     """The dry run's checkpoint line: size per federation group and for the job, how many are kept."""
     from .model import build_model, llama_config
 
     try:
-        vocab = cfg.model.vocab_size
+        vocab = conf.model.vocab_size
         if vocab is None:
             from .data import load_tokenizer
 
-            vocab = len(load_tokenizer(str(cfg.dataset.tokenizer)))
-        model = build_model(llama_config(cfg.model, vocab), "meta")
+            vocab = len(load_tokenizer(conf.dataset.tokenizer))
+        model = build_model(llama_config(conf.model, vocab), "meta")
     except Exception as e:  # the pre-flight reports a missing tokenizer; the size just is not known
         return f"checkpoint: size unknown (no vocabulary size: {e})"
     params = [(name, p.numel()) for name, p in model.named_parameters()]
-    group, held = group_bytes(cfg, shape, params)
+    group, held = group_bytes(conf, shape, params)
     job = group * shape.federation
-    t = cfg.trainer
+    t = conf.trainer
     line = (
         f"checkpoint: {_amount(group)} per federation group x {shape.federation} = {_amount(job)} "
         f"({_amount(sum(n for _, n in params), ' parameters')}: {held})"

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .aggregation import REDUCE_DTYPES, bucket_indices, federated_mask
-from .config import default_of, load
+from .config import Config, default_of, load
 from .memory import for_config
 from .mesh import DIMS, MeshShape, shard_piece
 from .quantize import Quantizer, codec_of
@@ -111,37 +111,37 @@ def model_units(model, dtype: torch.dtype) -> Units:
     )
 
 
-def config_model(cfg) -> tuple:
-    """A composed config's Llama on the meta device (the vocabulary from the config, else its
-    tokenizer) and its Units in the run's dtype."""
+def config_model(conf: Config) -> tuple:
+    """A config's Llama on the meta device (the vocabulary from the config, else its tokenizer) and
+    its Units in the run's dtype."""
     from .data import load_tokenizer
     from .model import DTYPES, build_model, llama_config
 
-    vocab = cfg.model.vocab_size or len(load_tokenizer(str(cfg.dataset.tokenizer)))
-    model = build_model(llama_config(cfg.model, vocab), "meta")
-    return model, model_units(model, DTYPES[cfg.trainer.precision])
+    vocab = conf.model.vocab_size or len(load_tokenizer(conf.dataset.tokenizer))
+    model = build_model(llama_config(conf.model, vocab), "meta")
+    return model, model_units(model, DTYPES[conf.trainer.precision])
 
 
-def config_shapes(cfg) -> tuple:
+def config_shapes(conf: Config) -> tuple:
     """What config_model gives fldp-plan, from the config alone (no model, no transformers import):
     the Llama's Shapes, its buffers' bytes and its Units in the run's dtype, as config_model's
     model has them (tests/test_memory.py compares the two)."""
     from .memory import Shapes, llama_parameters, rotary_buffers
     from .model import DTYPES, fsdp_unit
 
-    m = cfg.model
+    m = conf.model
     vocab = m.vocab_size
     if not vocab:  # config_model's: the tokenizer's vocabulary
         from .data import load_tokenizer
 
-        vocab = len(load_tokenizer(str(cfg.dataset.tokenizer)))
+        vocab = len(load_tokenizer(conf.dataset.tokenizer))
     shapes = Shapes(
         m.hidden_size, m.intermediate_size, m.num_hidden_layers, m.num_attention_heads, m.num_key_value_heads, vocab
     )
     named = llama_parameters(shapes, bool(m.tie_word_embeddings))
     root = shapes.layers  # model_units' order: decoder layer i is unit i, the root unit last
     params = tuple((shape, fsdp_unit(n) - 1 if fsdp_unit(n) else root) for n, shape in named)
-    element = torch.empty((), dtype=DTYPES[cfg.trainer.precision]).element_size()
+    element = torch.empty((), dtype=DTYPES[conf.trainer.precision]).element_size()
     return shapes, rotary_buffers(shapes), Units(params=params, element_size=element, names=tuple(n for n, _ in named))
 
 
@@ -174,19 +174,17 @@ def crossing_flows(shape: MeshShape, dim: str, procs_per_node: int, leaders_only
     return max([1, *out.values(), *into.values()])
 
 
-def fedavg_mode(cfg) -> str:
+def fedavg_mode(conf: Config) -> str:
     """FL+HSDP's mode: the configured algorithm's, else the one the topology's reference numbers ran."""
-    return (
-        (cfg.algorithm.get("fedavg") or {}).get("mode")
-        or cfg.topology.get("fedavg_mode")
-        or default_of("algorithm.fedavg.mode")
-    )
+    if conf.algorithm.fedavg is not None:
+        return conf.algorithm.fedavg.mode
+    return conf.topology.fedavg_mode or default_of("algorithm.fedavg.mode")
 
 
-def leads(cfg) -> bool:
+def leads(conf: Config) -> bool:
     """Whether FL+HSDP's FedAvg is leader_broadcast (fedavg_mode): replica 0 of each group averages
     across groups, then broadcasts to its replicas."""
-    return fedavg_mode(cfg) == "leader_broadcast"
+    return fedavg_mode(conf) == "leader_broadcast"
 
 
 def tier_bandwidth(
@@ -485,76 +483,59 @@ def _gloo_terms(pred: Prediction, units: Units, bandwidth, latency, gathers, fra
 
 
 def predict_for(
-    cfg, units: Units, aggregates: bool | None = None, shape: MeshShape | None = None, network=None
+    conf: Config, units: Units, aggregates: bool | None = None, shape: MeshShape | None = None, network=None
 ) -> Prediction:
-    """The prediction for a composed config (or another algorithm and mesh on its topology, or
-    another network): the schedule (default A = 8) over the run's steps, the federated parameters,
-    the reduce dtype, FedAvg mode and the topology's tiers (a `link: node` tier shared by the flows
+    """The prediction for a config (or another algorithm and mesh on its topology, or another
+    network): the schedule (default A = 8) over the run's steps, the federated parameters, the
+    reduce dtype, FedAvg mode and the topology's tiers (a `link: node` tier shared by the flows
     crossing it; `latency_ms` and `delay_ms` per ring step, if given)."""
-    from omegaconf import OmegaConf
-
+    from .model import fsdp_reduce_dtype
     from .slurm import planned_steps
 
-    shape = shape or MeshShape(cfg.mesh.federation, cfg.mesh.replicate, cfg.mesh.shard)
+    algorithm, topology = conf.algorithm, conf.topology
+    shape = shape or MeshShape(conf.mesh.federation, conf.mesh.replicate, conf.mesh.shard)
     if aggregates is None:  # the configured algorithm's (algorithm.aggregation), else the one asked for
-        aggregates = bool(cfg.algorithm.get("aggregation"))
-    plain = lambda v: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v  # noqa: E731
-    every = plain(cfg.algorithm.get("every") or 8) if aggregates else None
-    patterns = plain(cfg.algorithm.get("federate")) or [".*"]
-    federated = federated_mask(patterns, list(units.names)) if units.names else None
-    reduce_dtype = REDUCE_DTYPES[(cfg.algorithm.get("outer") or {}).get("reduce_dtype")]
-    mode = fedavg_mode(cfg)
-    bucket_mb = (cfg.algorithm.get("fedavg") or {}).get("bucket_mb", 25.0)
-    network = network if network is not None else cfg.topology.network
-    leaders = leads(cfg) and shape.replicate > 1
-    bandwidth = tier_bandwidth(network, shape, procs_per_node=cfg.topology.procs_per_node, leaders_only=leaders)
+        aggregates = bool(algorithm.aggregation)
+    federated = federated_mask(algorithm.federate or [".*"], list(units.names)) if units.names else None
+    reduce_dtype = REDUCE_DTYPES[algorithm.outer.reduce_dtype]
+    grad_dtype = fsdp_reduce_dtype(conf)
+    network = network if network is not None else topology.network
+    leaders = leads(conf) and shape.replicate > 1
+    bandwidth = tier_bandwidth(network, shape, procs_per_node=topology.procs_per_node, leaders_only=leaders)
     on = tiers(network, shape)
     latency = {d: (on[d].get("latency_ms", 0.0) + on[d].get("delay_ms", 0.0)) / 1e3 for d in DIMS}
     pred = predict(
         units,
         shape,
         bandwidth,
-        every,
-        mode,
-        bucket_mb,
-        cfg.fsdp.reshard_root_after_forward,
+        (algorithm.every or 8) if aggregates else None,
+        fedavg_mode(conf),
+        algorithm.fedavg.bucket_mb if algorithm.fedavg else default_of("algorithm.fedavg.bucket_mb"),
+        conf.fsdp.reshard_root_after_forward,
         latency,
-        steps=planned_steps(load(cfg), shape.world),
+        steps=planned_steps(conf, shape.world),
         federated=federated,
         reduce_element_size=reduce_dtype.itemsize if reduce_dtype else None,
-        streaming=StreamingConfig.from_algorithm(cfg.algorithm) if aggregates else None,
-        quantizer=quantizer_of(cfg) if aggregates else None,
-        grad_element_size=grad_element_size(cfg),
+        streaming=StreamingConfig.from_algorithm(algorithm) if aggregates else None,
+        quantizer=codec_of(algorithm.outer) if aggregates else None,
+        grad_element_size=grad_dtype.itemsize if grad_dtype is not None else None,
     )
     pred.capped = tuple(d for d in DIMS if on[d].get("link") == "node")
     pred.flows = {
-        d: crossing_flows(shape, d, cfg.topology.procs_per_node, leaders and d == "federation") for d in pred.capped
+        d: crossing_flows(shape, d, topology.procs_per_node, leaders and d == "federation") for d in pred.capped
     }
     pred.bandwidth = bandwidth
     return pred
 
 
-def grad_element_size(cfg) -> int | None:
-    """Bytes per element of the gradients' reductions: fsdp.reduce_dtype's, None: the parameters'."""
-    from .model import fsdp_reduce_dtype
-
-    dtype = fsdp_reduce_dtype(cfg)
-    return dtype.itemsize if dtype is not None else None
-
-
-def quantizer_of(cfg) -> Quantizer | None:
-    """algorithm.outer.quantize's codec (None: not quantised)."""
-    return codec_of(cfg.algorithm.get("outer") or {})
-
-
-def link_extra(cfg, units: Units, aggregates: bool | None = None, shape: MeshShape | None = None) -> float:
+def link_extra(conf: Config, units: Units, aggregates: bool | None = None, shape: MeshShape | None = None) -> float:
     """Seconds per step a netns run adds to the same run on loopback: the collectives of the
     dimensions on the capped link, at the link's rate, less what they cost on the node tier
     (loopback), where a plain local run sends them. 0 without a `link: node` tier."""
-    on_link = predict_for(cfg, units, aggregates, shape)
-    world = cfg.topology.nodes * cfg.topology.procs_per_node
-    loopback = [{**cfg.topology.network[0], "ranks": world}]  # every rank on one "node"
-    on_loopback = predict_for(cfg, units, aggregates, shape, network=loopback)
+    on_link = predict_for(conf, units, aggregates, shape)
+    world = conf.topology.nodes * conf.topology.procs_per_node
+    loopback = [{**conf.topology.network[0], "ranks": world}]  # every rank on one "node"
+    on_loopback = predict_for(conf, units, aggregates, shape, network=loopback)
     return on_link.capped_time() - on_loopback.time(on_link.capped)
 
 
@@ -585,20 +566,20 @@ def paper_step_times() -> dict[str, float]:
     return {a: row[overall] for a, row in table4["mean"].items()}
 
 
-def table(cfg) -> list[dict]:
+def table(conf: Config) -> list[dict]:
     """One row per algorithm, on the topology's layout for it."""
-    model, units = config_model(cfg)
-    capacity = cfg.topology.get("memory_gb")
-    measured = paper_step_times() if cfg.topology.name == "leonardo_512" else {}
+    model, units = config_model(conf)
+    capacity = conf.topology.memory_gb
+    measured = paper_step_times() if conf.topology.name == "leonardo_512" else {}
     rows = []
     algorithms = algorithms_by_layout()
-    for key, layout in cfg.topology.layouts.items():
+    for key, layout in conf.topology.layouts.items():
         name = algorithms[key].name
-        shape = MeshShape(layout.federation, layout.replicate, layout.shard)
-        pred = predict_for(cfg, units, bool(algorithms[key].aggregation), shape)
+        shape = MeshShape(layout["federation"], layout["replicate"], layout["shard"])
+        pred = predict_for(conf, units, bool(algorithms[key].aggregation), shape)
         bandwidth = pred.bandwidth
         paper_total, exact_total = sum(pred.paper.values()), sum(pred.exact.values())
-        memory = for_config(cfg, model, units, shape)
+        memory = for_config(conf, model, units, shape)
         rows.append(
             {
                 "algorithm": name,
@@ -668,7 +649,7 @@ def _time_columns(rows, prefix: str) -> list[tuple[str, list]]:
 INNERMOST_FIRST = tuple(reversed(DIMS))  # shard, replicate, federation: the time columns' order
 
 
-def tables(cfg, rows) -> list:
+def tables(conf: Config, rows) -> list:
     """fldp-cost's report as rich tables, each narrow enough for a 100-column terminal."""
     mesh = [
         ("mesh FxRxS", [r["mesh"] for r in rows]),
@@ -680,7 +661,7 @@ def tables(cfg, rows) -> list:
     exact = _time_columns(rows, "exact") + [("exact / paper [x]", [r["exact_over_paper"] for r in rows])]
     unit, scale = _byte_unit([r[f"bytes_{d}_per_step"] for r in rows for d in DIMS])
     sent = [(f"{d} [{unit}]", [r[f"bytes_{d}_per_step"] / scale for r in rows]) for d in INNERMOST_FIRST]
-    if (cfg.algorithm.get("streaming") or {}).get("fragments", 1) > 1:
+    if conf.algorithm.streaming.fragments > 1:
         sent.append(("peak fragment share [fraction]", [r["peak_share"] for r in rows]))
     out = [
         _table("Mesh and bandwidth per rank", mesh, rows),
@@ -700,10 +681,10 @@ def tables(cfg, rows) -> list:
                 rows,
             )
         )
-    return out + [_table("Bytes sent per rank per training step ('exact')", sent, rows), _memory_table(cfg, rows)]
+    return out + [_table("Bytes sent per rank per training step ('exact')", sent, rows), _memory_table(conf, rows)]
 
 
-def _memory_table(cfg, rows):
+def _memory_table(conf: Config, rows):
     """fldp/memory.py's terms at the peak, grouped, and whether it fits topology.memory_gb."""
 
     def col(*terms):
@@ -716,28 +697,28 @@ def _memory_table(cfg, rows):
         ("activ. + loss [GB]", col("activations", "loss_backward")),
         ("peak [GB]", [r["memory_peak_bytes"] / 1e9 for r in rows]),
     ]
-    capacity = cfg.topology.get("memory_gb")
+    capacity = conf.topology.memory_gb
     if capacity:
         columns.append((f"fits {capacity:g} GB", ["yes" if r["memory_fits"] else "no" for r in rows]))
-    checkpointing = cfg.model.get("activation_checkpointing", default_of("model.activation_checkpointing"))
+    checkpointing = conf.model.activation_checkpointing
     return _table(
         f"Memory per rank at its peak (fldp/memory.py; activation checkpointing: {checkpointing})", columns, rows
     )
 
 
-def _print_table(cfg, rows) -> None:
+def _print_table(conf: Config, rows) -> None:
     from rich.console import Console
 
     console = Console(highlight=False, markup=False)  # "[s]" is a unit, not a style
     console.print(
-        f"fldp-cost: model={cfg.model.name} ({cfg.trainer.precision}), topology={cfg.topology.name}, "
-        f"A={cfg.algorithm.every or 8}. Aggregations are amortised over the run's steps.\n"
+        f"fldp-cost: model={conf.model.name} ({conf.trainer.precision}), topology={conf.topology.name}, "
+        f"A={conf.algorithm.every or 8}. Aggregations are amortised over the run's steps.\n"
     )
-    for t in tables(cfg, rows):
+    for t in tables(conf, rows):
         console.print(t)
     if any(r["measured_step_s"] is not None for r in rows):
         console.print("paper's step: the whole training step the paper measured (its Table 4, overall).")
-    if (cfg.algorithm.get("streaming") or {}).get("fragments", 1) > 1:
+    if conf.algorithm.streaming.fragments > 1:
         console.print(
             "peak fragment share: the largest streaming fragment's bytes per aggregation / the whole model's."
         )
@@ -764,10 +745,20 @@ def _output_format(argv: list[str]) -> str:
     return chosen[0].lstrip("-") if chosen else "table"
 
 
+def checked(cfg) -> Config:
+    """The composed config, checked as fldp-train checks it, typed."""
+    from .schema import check
+
+    check(cfg)
+    return load(cfg)
+
+
 def main() -> None:
     import json
 
     import hydra
+
+    from .errors import parsed_or_exit
 
     output = _output_format(sys.argv)
     # a calculation, not a run: no output directory, no log file
@@ -783,7 +774,8 @@ def main() -> None:
 
     @hydra.main(config_path=str(CONF), config_name="config", version_base="1.3")
     def _run(cfg) -> None:
-        rows = table(cfg)
+        conf = parsed_or_exit("fldp-cost", lambda: checked(cfg))
+        rows = table(conf)
         if output == "json":
             print(json.dumps(rows, indent=2))
         elif output == "csv":
@@ -791,7 +783,7 @@ def main() -> None:
 
             print(pd.DataFrame(rows).to_csv(index=False), end="")
         else:
-            _print_table(cfg, rows)
+            _print_table(conf, rows)
 
     _run()
 

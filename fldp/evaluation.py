@@ -13,7 +13,6 @@ import torch.distributed as dist
 from .comm import all_ranks
 from .config import TrainerConfig
 from .data import Blocks, RankBatches
-from .mesh import ConfigError
 from .streaming import Exchange
 
 # what an evaluation's loss is the loss of (`eval_of` in eval rows and summary.json)
@@ -45,11 +44,8 @@ def evaluate(
         torch.cuda.synchronize()
     rows = all_ranks([sum(losses), len(losses), time.perf_counter() - start], device).view(groups, size, 3)
     counts = rows[..., 1].sum(dim=1)
-    if (counts == 0).any():
-        raise ConfigError(
-            f"dataset.eval_blocks: {len(blocks.eval)} held-out blocks are too few for one "
-            f"batch of {trainer.batch_size} on each of {size} ranks"
-        )
+    if (counts == 0).any():  # the rule is fldp.train.check_blocks', checked before any worker starts
+        raise RuntimeError(f"{len(blocks.eval)} held-out blocks: not one batch per rank (check_blocks)")
     return (rows[..., 0].sum(dim=1) / counts).tolist(), rows[..., 2].max().item()
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .config import default_of
+from .config import Config
 
 if TYPE_CHECKING:
     from .outer import OuterConfig
@@ -168,21 +168,21 @@ def _outer_state(outer: OuterConfig | None, elements: int) -> int:
     return slots * elements * FP32
 
 
-def for_config(cfg, model, units, shape=None) -> Memory:
-    """The memory per rank of a composed config's run (rank 0: shard index 0 holds the largest
+def for_config(conf: Config, model, units, shape=None) -> Memory:
+    """The memory per rank of a config's run (rank 0: shard index 0 holds the largest
     shards), on its mesh or on `shape` (fldp.mesh.MeshShape). model: the config's Llama on the meta
     device; units: fldp.cost.model_units of it in the run's dtype."""
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    return for_shapes(cfg, Shapes.of(model.config), buffers, units, shape)
+    return for_shapes(conf, Shapes.of(model.config), buffers, units, shape)
 
 
-def for_shapes(cfg, shapes: Shapes, buffers: int, units, shape=None) -> Memory:
+def for_shapes(conf: Config, shapes: Shapes, buffers: int, units, shape=None) -> Memory:
     """for_config from the model's dimensions and its buffers' bytes, without the model itself
     (fldp-plan's: fldp.cost.config_shapes)."""
     from .aggregation import FedAvgConfig
 
-    shard = shape.shard if shape is not None else cfg.mesh.shard
-    config = FedAvgConfig.from_algorithm(cfg.algorithm)
+    shard = shape.shard if shape is not None else conf.mesh.shard
+    config = FedAvgConfig.from_algorithm(conf.algorithm)
     outer, federated = None, 0
     if config is not None and (shape is None or shape.federation > 1):
         outer = config.outer
@@ -192,13 +192,13 @@ def for_shapes(cfg, shapes: Shapes, buffers: int, units, shape=None) -> Memory:
         units,
         shapes,
         shard,
-        cfg.trainer.batch_size,
-        cfg.dataset.block_size,
-        cfg.optimizer.name,
-        cfg.optimizer.momentum,
+        conf.trainer.batch_size,
+        conf.dataset.block_size,
+        conf.optimizer.name,
+        conf.optimizer.momentum,
         outer,
         federated,
-        cfg.model.get("activation_checkpointing", default_of("model.activation_checkpointing")),
+        conf.model.activation_checkpointing,
         buffers,
     )
 

@@ -14,7 +14,6 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .init import init_parameters
-from .mesh import ConfigError
 
 if TYPE_CHECKING:  # imported where used: transformers and FSDP2 (DTensor) took most of fldp-plan's start-up
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -34,7 +33,7 @@ def llama_config(model_cfg, vocab_size: int | None = None) -> LlamaConfig:
 
     vocab = model_cfg.vocab_size or vocab_size
     if vocab is None:
-        raise ConfigError("model.vocab_size=null and no tokenizer to take it from")
+        raise ValueError("llama_config: model.vocab_size is null and no tokenizer's size was given")
     # transformers' config is strict about floats; Hydra reads `model.rms_norm_eps=1` as an int
     rope = {"rope_type": "default", "rope_theta": float(model_cfg.rope_theta)}
     scaling = model_cfg.rope_scaling
@@ -138,8 +137,8 @@ def parallelize(
         p.data = p.data.to(dtype)  # in place, so a tied lm_head stays the embedding's parameter
     if activation_checkpointing == "full":
         checkpoint_layers(model)
-    elif activation_checkpointing != "none":
-        raise ConfigError(f"model.activation_checkpointing={activation_checkpointing!r}: must be none or full")
+    elif activation_checkpointing != "none":  # fldp.config's Choice refuses it before any worker starts
+        raise ValueError(f"activation_checkpointing={activation_checkpointing!r}: none or full")
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_root_after_forward, mp_policy=policy)

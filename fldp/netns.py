@@ -28,8 +28,12 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .mesh import ConfigError
+
+if TYPE_CHECKING:
+    from .config import Config, TopologyConfig
 
 IFACE = "fldp0"  # each node's interface, inside its namespace (names are per namespace)
 SUBNET = "10.77.0"  # addresses exist only inside the run's namespaces
@@ -59,14 +63,14 @@ class Link:
     delay_ms: float = 0.0
 
 
-def enabled(topology) -> bool:
-    return topology.get("emulation") == "netns"
+def enabled(topology: TopologyConfig) -> bool:
+    return topology.emulation == "netns"
 
 
-def link_of(topology) -> Link:
+def link_of(topology: TopologyConfig) -> Link:
     """The inter-node tier of a netns topology (the outermost tier of `topology.network`), checked:
     every error names its key."""
-    network = topology.get("network") or []
+    network = topology.network or []
     if len(network) < 2:
         raise ConfigError(
             f"topology.network (topology={topology.name}): emulation=netns needs two tiers, "
@@ -89,13 +93,11 @@ def link_of(topology) -> Link:
     return Link(tier["gbit_s"] * 1e3, float(tier.get("delay_ms", 0)))
 
 
-def check(cfg, forks_locally: bool) -> Link | None:
+def check(conf: Config, forks_locally: bool) -> Link | None:
     """Validation before any worker starts: the topology's link, and whether this machine can
     build it (root, iproute2). None for topologies without emulated nodes."""
-    topology = cfg.topology
+    topology = conf.topology
     if not enabled(topology):
-        if topology.get("emulation") not in (None, "netns"):
-            raise ConfigError(f"topology.emulation={topology.emulation!r}: must be netns or absent")
         return None
     link = link_of(topology)
     name = f"topology={topology.name} (emulation=netns)"
@@ -106,7 +108,7 @@ def check(cfg, forks_locally: bool) -> Link | None:
         )
     if topology.device != "cpu":
         raise ConfigError(f"topology.device={topology.device!r}: {name} runs gloo on cpu")
-    if cfg.comm.emulate:
+    if conf.comm.emulate:
         raise ConfigError(f"comm.emulate=true: {name} already has a real capped link; the sleeps would count it twice")
     if topology.nodes < 2 or topology.nodes > 250:
         raise ConfigError(f"topology.nodes={topology.nodes}: {name} needs 2 to 250 nodes")
@@ -381,18 +383,18 @@ def _hint(stderr: str, link: Link) -> str:
     return ""
 
 
-def from_config(cfg) -> Network | None:
-    link = link_of(cfg.topology) if enabled(cfg.topology) else None
-    return Network(cfg.topology.nodes, cfg.topology.procs_per_node, link) if link else None
+def from_config(conf: Config) -> Network | None:
+    link = link_of(conf.topology) if enabled(conf.topology) else None
+    return Network(conf.topology.nodes, conf.topology.procs_per_node, link) if link else None
 
 
-def summary_fields(cfg) -> dict:
+def summary_fields(conf: Config) -> dict:
     """What joined the ranks of the trainer, for summary.json (the simulator's: `none`): `netns` (emulated nodes, with the link), `sleep`
     (comm.emulate: loopback plus sleeps of bytes / tier bandwidth), `loopback` (forked here), or
     `external` (ranks started by torchrun/srun: whatever network joins their hosts)."""
-    if cfg.comm.emulate:
+    if conf.comm.emulate:
         return {"network": "sleep", "network_link": None}
-    network = from_config(cfg)
+    network = from_config(conf)
     if network is not None:
         return {"network": "netns", "network_link": network.describe()}
     from .launch import FORKED  # set in the workers run_local forks

@@ -13,14 +13,17 @@ fldp/cost.py's communication alone. The model's errors (docs/communication.md: u
 
 from __future__ import annotations
 
-import copy
 import itertools
 import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING
 
 from .errors import ConfigError, parsed_or_exit, tool_arguments
 from .mesh import MeshShape
+
+if TYPE_CHECKING:
+    from .config import Config
 
 BY_DIMS = {(False, False): "fsdp", (False, True): "hsdp", (True, False): "fl_fsdp", (True, True): "fl_hsdp"}
 
@@ -58,13 +61,14 @@ def layouts(world: int) -> list[MeshShape]:
     return [MeshShape(f, r, world // (f * r)) for f, r in itertools.product(divisors, divisors) if world % (f * r) == 0]
 
 
-def compose(overrides: list[str]) -> dict:
+def compose(overrides: list[str]) -> dict[str, Config]:
     """The config of each algorithm with the user's overrides (algorithm.* keys only for the
-    federated ones, which have them), checked as fldp-train checks them."""
+    federated ones, which have them), checked as fldp-train checks them, typed."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     from . import CONF
+    from .config import load
     from .schema import check
 
     common = [o for o in overrides if not o.lstrip("+~").startswith("algorithm")]
@@ -75,40 +79,34 @@ def compose(overrides: list[str]) -> dict:
             extra = federated if name.startswith("fl_") else []
             cfg = hydra_compose("config", overrides=[f"algorithm={name}", *common, *extra])
             check(cfg)
-            out[name] = cfg
+            out[name] = load(cfg)
     return out
 
 
-def candidates(configs: dict, everies: list[int]) -> list[Candidate]:
+def candidates(configs: dict[str, Config], everies: list[int]) -> list[Candidate]:
     """Each layout of the topology, with each A where it federates."""
-    from omegaconf import open_dict
-
     from .cost import config_shapes, leads, predict_for
     from .memory import for_shapes
     from .steptime import efficiency_for, hardware_for, phases, workload_of
 
-    cfg = configs["fsdp"]
-    shapes, buffers, units = config_shapes(cfg)  # from the config: building the model takes seconds
-    work, hw, eff = workload_of(cfg, shapes, units), hardware_for(cfg.topology), efficiency_for(cfg.topology)
-    variants: dict = {}  # (algorithm, A): its config, copied once (a copy of a composed config is slow)
+    conf = configs["fsdp"]
+    shapes, buffers, units = config_shapes(conf)  # from the config: building the model takes seconds
+    work, hw, eff = workload_of(conf, shapes, units), hardware_for(conf.topology), efficiency_for(conf.topology)
     memories: dict = {}  # (algorithm, A, S): what a layout's memory depends on, computed once
-    capacity = cfg.topology.get("memory_gb")
+    capacity = conf.topology.memory_gb
     out = []
-    for shape in layouts(cfg.topology.nodes * cfg.topology.procs_per_node):
+    for shape in layouts(conf.topology.nodes * conf.topology.procs_per_node):
         name = BY_DIMS[(shape.federation > 1, shape.replicate > 1)]
         for every in everies if shape.federation > 1 else [None]:
-            chosen = variants.get((name, every))
-            if chosen is None:
-                chosen = variants[(name, every)] = copy.deepcopy(configs[name])
-                if every is not None:
-                    with open_dict(chosen):
-                        chosen.algorithm.every = every
+            chosen = configs[name]
+            if every is not None:
+                chosen = replace(chosen, algorithm=replace(chosen.algorithm, every=every))
             pred = predict_for(chosen, units, shape.federation > 1, shape)
             memory = memories.get((name, every, shape.shard))
             if memory is None:
                 memory = memories[(name, every, shape.shard)] = for_shapes(chosen, shapes, buffers, units, shape)
             fits = memory.peak <= capacity * 1e9 if capacity else None
-            why = "" if fits is not False else _why_not(memory, capacity)
+            why = _why_not(memory, capacity) if capacity and not fits else ""
             out.append(
                 Candidate(
                     name,
@@ -138,7 +136,7 @@ def ranked(found: list[Candidate]) -> tuple[list[Candidate], list[Candidate]]:
     return fitting, [c for c in found if c.fits is False]
 
 
-def command(c: Candidate, cfg, overrides: list[str]) -> str:
+def command(c: Candidate, overrides: list[str]) -> str:
     """The Hydra multirun that runs a layout over three seeds."""
     every = [f"algorithm.every={c.every}"] if c.every is not None else []
     mesh = [f"mesh.federation={c.federation}", f"mesh.replicate={c.replicate}", f"mesh.shard={c.shard}"]
@@ -232,8 +230,8 @@ def caveats(configs: dict, fitting: list[Candidate]) -> list[str]:
     the compute terms fitted to a bound (fldp.steptime.clamped), and each tier whose fit is so far
     off its own measurements that, were its collectives as far off, a layout's step would move by
     more than steptime.SENSITIVITY (a tier nobody's step leans on may fit poorly)."""
-    cfg = configs["fsdp"]
-    if not cfg.topology.get("profile"):
+    conf = configs["fsdp"]
+    if not conf.topology.profile:
         return []
     import yaml
 
@@ -249,10 +247,10 @@ def caveats(configs: dict, fitting: list[Candidate]) -> list[str]:
         workload_of,
     )
 
-    with open(cfg.topology.profile) as f:
+    with open(conf.topology.profile) as f:
         profile = yaml.safe_load(f)
-    shapes, _, units = config_shapes(cfg)
-    work, hw, eff = workload_of(cfg, shapes, units), hardware_for(cfg.topology), efficiency_for(cfg.topology)
+    shapes, _, units = config_shapes(conf)
+    work, hw, eff = workload_of(conf, shapes, units), hardware_for(conf.topology), efficiency_for(conf.topology)
     notes, tiers = clamped(profile), profile.get("tiers") or {}
     for name, tier in tiers.items():
         if name not in TIER_TERMS or not fitting:
@@ -271,15 +269,15 @@ def caveats(configs: dict, fitting: list[Candidate]) -> list[str]:
     return notes
 
 
-def _print(cfg, fitting, dropped, top: int, overrides: list[str], notes: list[str]) -> None:
+def _print(conf: Config, fitting, dropped, top: int, overrides: list[str], notes: list[str]) -> None:
     from rich.console import Console
 
     console = Console(highlight=False, markup=False, width=None if sys.stdout.isatty() else 200)
-    capacity = cfg.topology.get("memory_gb")
-    world = cfg.topology.nodes * cfg.topology.procs_per_node
-    tokens = world * cfg.trainer.batch_size * cfg.dataset.block_size
+    capacity = conf.topology.memory_gb
+    world = conf.topology.nodes * conf.topology.procs_per_node
+    tokens = world * conf.trainer.batch_size * conf.dataset.block_size
     console.print(
-        f"fldp-plan: model={cfg.model.name} ({cfg.trainer.precision}), topology={cfg.topology.name} "
+        f"fldp-plan: model={conf.model.name} ({conf.trainer.precision}), topology={conf.topology.name} "
         f"({world} ranks), memory per rank {'<= ' + format(capacity, 'g') + ' GB' if capacity else 'not limited (topology.memory_gb unset)'}."
     )
     console.print(table(fitting, tokens, capacity))
@@ -287,7 +285,7 @@ def _print(cfg, fitting, dropped, top: int, overrides: list[str], notes: list[st
         console.print(f"Dropped, not fitting in memory ({len(dropped)}):")
         for c in dropped:
             console.print(f"  {c.algorithm} {c.mesh}" + (f" A={c.every}" if c.every else "") + f": {c.why_not}")
-    source = f"the profile {cfg.topology.profile}" if cfg.topology.get("profile") else "Table 4's fit"
+    source = f"the profile {conf.topology.profile}" if conf.topology.profile else "Table 4's fit"
     console.print(
         f"Step: fldp/steptime.py's phases (seconds per step; the aggregation amortised over A) on "
         f"{source}; comm alone: fldp/cost.py's collectives without compute or overlap."
@@ -296,7 +294,7 @@ def _print(cfg, fitting, dropped, top: int, overrides: list[str], notes: list[st
         console.print(f"UNRELIABLE profile, the ranking may be off: {note}")
     console.print(f"The top {min(top, len(fitting))}, each as a multirun over 3 seeds:")
     for c in fitting[:top]:
-        console.print("  " + command(c, cfg, overrides))
+        console.print("  " + command(c, overrides))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .config import default_of
+from .config import OuterConfig
 from .errors import ConfigError
 
 KINDS = {"int8": (8, 127.0), "int4": (4, 7.0), "fp8": (8, 448.0)}  # bits, the largest magnitude
@@ -182,8 +182,6 @@ def residual_for(numel: int, groups: int, q: Quantizer, device) -> torch.Tensor:
 CODECS: dict[str, type[Quantizer]] = {kind: Quantizer for kind in KINDS}
 
 
-def codec_of(outer) -> Quantizer | None:
-    """algorithm.outer's codec (an OuterConfig, or its mapping); None: the exchange is not compressed."""
-    get = outer.get if hasattr(outer, "get") else lambda k, d=None: getattr(outer, k, d)
-    kind = get("quantize")
-    return CODECS[kind](kind, get("quantize_block", default_of("algorithm.outer.quantize_block"))) if kind else None
+def codec_of(outer: OuterConfig) -> Quantizer | None:
+    """algorithm.outer's codec; None: the exchange is not compressed."""
+    return CODECS[outer.quantize](outer.quantize, outer.quantize_block) if outer.quantize else None

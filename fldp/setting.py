@@ -10,11 +10,10 @@ paper's setting through them."""
 
 from __future__ import annotations
 
-from typing import cast
-
-from omegaconf import OmegaConf
+from dataclasses import asdict
 
 from . import CONF
+from .config import Config, load
 
 # config sections that define an experiment (the seed is the replicate index, not a configuration)
 SECTIONS = ("algorithm", "mesh", "model", "trainer", "optimizer", "fsdp", "comm")
@@ -67,10 +66,10 @@ def defining(config: dict) -> dict:
     return {k: v for k, v in flat.items() if k not in OPERATIONAL}
 
 
-def differences(cfg, reference) -> list[str]:
-    """`key=value (paper: value)` for each defining key on which two composed configs differ; a
-    whole other model or dataset is named once (`model=tiny_llama`), not key by key."""
-    mine, theirs = (defining(cast(dict, OmegaConf.to_container(c, resolve=True))) for c in (cfg, reference))
+def differences(conf: Config, reference: Config) -> list[str]:
+    """`key=value (paper: value)` for each defining key on which two configs differ; a whole other
+    model or dataset is named once (`model=tiny_llama`), not key by key."""
+    mine, theirs = (defining(asdict(c)) for c in (conf, reference))
     keys = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
     other = {k.split(".")[0] for k in keys if k in ("model.name", "dataset.name")}
     return [
@@ -80,7 +79,7 @@ def differences(cfg, reference) -> list[str]:
     ]
 
 
-def paper_config(algorithm: str, topology: str):
+def paper_config(algorithm: str, topology: str) -> Config:
     """What `algorithm=ALGORITHM topology=TOPOLOGY` composes with nothing else: for a topology that
     is a paper setting (leonardo_512), the paper's run."""
     from hydra import compose, initialize_config_dir
@@ -88,6 +87,6 @@ def paper_config(algorithm: str, topology: str):
 
     overrides = [f"algorithm={algorithm}", f"topology={topology}"]
     if GlobalHydra.instance().is_initialized():  # inside `python -m fldp.train`: the app's own search path
-        return compose("config", overrides=overrides)
+        return load(compose("config", overrides=overrides))
     with initialize_config_dir(str(CONF), version_base="1.3"):
-        return compose("config", overrides=overrides)
+        return load(compose("config", overrides=overrides))

@@ -35,7 +35,6 @@ from . import stacked_attention
 from .aggregation import FedAvgConfig, fragment_fields
 from .config import load
 from .data import Blocks, WorldBatches
-from .errors import ConfigError
 from .mesh import mesh_shape
 from .model import DTYPES, build_model, fsdp_reduce_dtype, fsdp_unit, init_weights, llama_config, parameter_counts
 from .noise_scale import estimate
@@ -202,11 +201,8 @@ class Simulation:
             if trainer.eval_batches is not None and i >= trainer.eval_batches:
                 break
             out.append(x.flatten(0, 1))
-        if not out:
-            raise ConfigError(
-                f"dataset.eval_blocks: {len(self.blocks.eval)} held-out blocks are too few for "
-                f"one batch of {trainer.batch_size} on each of {ranks} ranks"
-            )
+        if not out:  # the rule is fldp.train.check_blocks', checked before the simulation starts
+            raise RuntimeError(f"{len(self.blocks.eval)} held-out blocks: not one batch per rank (check_blocks)")
         return torch.cat(out).to(self.device)
 
     @torch.no_grad()

@@ -316,10 +316,10 @@ def describe(cfg, shape: MeshShape, params: dict) -> str:
         f"account {params.get('account', _from_env('SBATCH_ACCOUNT', '(not set)'))}, "
         f"qos {params.get('qos', _from_env('SBATCH_QOS', '(default)'))}, "
         f"{params['time']} min",
-        size_line(cfg, shape),
+        size_line(conf, shape),
     ]
     if t.paper_setting:
-        differ = differences(cfg, paper_config(alg.name, t.name))
+        differ = differences(conf, paper_config(alg.name, t.name))
         lines.append(
             "setting: the paper's (paper.md, Section 5)"
             if not differ

@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from .config import Config, TopologyConfig
     from .cost import Units
     from .memory import Shapes
 
@@ -233,20 +234,19 @@ MEASURED = Efficiency(compute=1.0, network=1.0, span=0.0, latency=1.0)
 TABLE4_FIT = Efficiency(compute=0.547, network=0.806, span=0.109, latency=9.298)
 
 
-def efficiency_for(topology) -> Efficiency:
+def efficiency_for(topology: TopologyConfig) -> Efficiency:
     """What to use with hardware_for(topology): a calibrated node's own rates, else Table 4's fit."""
-    return MEASURED if topology.get("profile") else TABLE4_FIT
+    return MEASURED if topology.profile else TABLE4_FIT
 
 
-def hardware_for(topology) -> Hardware:
+def hardware_for(topology: TopologyConfig) -> Hardware:
     """A topology's node: its profile's (topology.profile, fldp-calibrate's output, a path), else the
     published figures."""
-    path = topology.get("profile")
-    if not path:
+    if not topology.profile:
         return Hardware()
     import yaml
 
-    with open(path) as f:
+    with open(topology.profile) as f:
         return Hardware.from_profile(yaml.safe_load(f))
 
 
@@ -261,23 +261,23 @@ class Workload:
     element: int = 2
 
 
-def workload_for(cfg, built: tuple | None = None) -> Workload:
-    """A composed config's step on one rank: its model's FSDP units in the run's dtype, FLOPs per
-    token at its block size, its tokens per rank. built: cost.config_model(cfg), if already made."""
+def workload_for(conf: Config, built: tuple | None = None) -> Workload:
+    """A config's step on one rank: its model's FSDP units in the run's dtype, FLOPs per token at its
+    block size, its tokens per rank. built: cost.config_model(conf), if already made."""
     from .cost import config_model
     from .memory import Shapes
 
-    model, units = built or config_model(cfg)
-    return workload_of(cfg, Shapes.of(model.config), units)
+    model, units = built or config_model(conf)
+    return workload_of(conf, Shapes.of(model.config), units)
 
 
-def workload_of(cfg, shapes: Shapes, units: Units) -> Workload:
+def workload_of(conf: Config, shapes: Shapes, units: Units) -> Workload:
     """workload_for from the model's dimensions (memory.Shapes) and its Units alone, without the
     model (fldp-plan's, from cost.config_shapes). The parameters: each once, as model.parameters()."""
-    seq = int(cfg.dataset.block_size)
+    seq = conf.dataset.block_size
     params = sum(math.prod(shape) for shape, _ in units.params)
     per_token = flops_per_token(params, shapes.vocab * shapes.hidden, shapes.layers, shapes.hidden, seq)
-    return Workload(tuple(units.full_bytes()), per_token, int(cfg.trainer.batch_size) * seq, units.element_size)
+    return Workload(tuple(units.full_bytes()), per_token, conf.trainer.batch_size * seq, units.element_size)
 
 
 def flops_per_token(params: int, embedding: int, layers: int, hidden: int, seq: int) -> float:

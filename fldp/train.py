@@ -83,7 +83,7 @@ def check_with_torch(cfg: DictConfig, conf: Config) -> None:
             f"cluster={conf.cluster.name}, cluster.launcher={conf.cluster.launcher} runs the workers"
         )
     # emulated nodes: the link's keys, root, `ip` and `tc`
-    netns.check(cfg, forks_locally=launch.from_environment() is None and not slurm.submits(conf.cluster))
+    netns.check(conf, forks_locally=launch.from_environment() is None and not slurm.submits(conf.cluster))
 
 
 def check_simulation(conf: Config) -> None:
@@ -304,7 +304,7 @@ def launch_workers(cfg: DictConfig, conf: Config, run_dir: str, shape, blocks) -
             elastic.run_slurm(cfg, run_dir, shape)
         else:
             elastic.run_local(
-                _group_rank, (cfg, run_dir, blocks), shape, cfg.cluster, run_dir, network=netns.from_config(cfg)
+                _group_rank, (cfg, run_dir, blocks), shape, cfg.cluster, run_dir, network=netns.from_config(conf)
             )
     else:
         launch.run_local(
@@ -313,7 +313,7 @@ def launch_workers(cfg: DictConfig, conf: Config, run_dir: str, shape, blocks) -
             shape.world,
             conf.topology.device,
             cfg.cluster,
-            network=netns.from_config(cfg),
+            network=netns.from_config(conf),
         )
 
 

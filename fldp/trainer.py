@@ -27,7 +27,7 @@ from .cost import tier_bandwidth
 from .data import Blocks, RankBatches
 from .evaluation import AVERAGE, GROUPS_MEAN, ONE_MODEL, Evaluation  # noqa: F401  (fldp.simulate's, from here)
 from .healing import Healing
-from .mesh import ConfigError, MeshShape, build_mesh, group_mesh, mesh_shape
+from .mesh import MeshShape, build_mesh, group_mesh, mesh_shape
 from .model import (
     DTYPES,
     build_model,
@@ -69,11 +69,8 @@ def build_scheduler(optimizer, opt_cfg: OptimizerConfig, steps: int):
 def total_steps(trainer: TrainerConfig, blocks: Blocks, world: int) -> int:
     """trainer.steps, or one pass over the training blocks when null (paper: 65,536/(512*2) = 64)."""
     per_epoch = len(blocks.train) // (world * trainer.batch_size)
-    if per_epoch == 0:
-        raise ConfigError(
-            f"trainer.batch_size={trainer.batch_size}: {len(blocks.train)} training "
-            f"blocks are too few for one batch on each of {world} ranks"
-        )
+    if per_epoch == 0:  # the rule is fldp.train.check_blocks', checked before any worker starts
+        raise RuntimeError(f"{len(blocks.train)} training blocks: not one batch per rank (check_blocks)")
     return trainer.steps or per_epoch
 
 
@@ -248,7 +245,7 @@ class RunRecords:
         self.last_row = row
         self.log(row)
 
-    def finish(self, cfg, place: Placement, fedavg, final: dict, params: dict) -> dict | None:
+    def finish(self, cfg, conf: Config, place: Placement, fedavg, final: dict, params: dict) -> dict | None:
         """The final evaluation's row and summary.json; the summary (rank 0 only, else None)."""
         if self.recorder is None:
             return None
@@ -263,7 +260,7 @@ class RunRecords:
             self.train_time,
             self.last_row,
             final,
-            executed={"executor": "trainer", **summary_fields(cfg)},
+            executed={"executor": "trainer", **summary_fields(conf)},
             params=params,
         )
         self.recorder.finish(summary)
@@ -336,7 +333,7 @@ def train(cfg, run_dir: str, blocks: Blocks, device: torch.device, on_step=None,
     final = evaluation.final()
     if federation is not None:
         federation.shutdown()
-    return records.finish(cfg, place, state.fedavg, final, parameter_counts(state.model))
+    return records.finish(cfg, conf, place, state.fedavg, final, parameter_counts(state.model))
 
 
 def elastic_federation(cluster, member, shape):

@@ -21,6 +21,7 @@ from conftest import ROOT, compose_cfg, needs_netns
 
 from fldp import netns
 from fldp.calibrate import KINDS, Settings, fit, rows_of, settings_of, tiers_of, wire
+from fldp.config import load
 from fldp.errors import ConfigError
 from fldp.mesh import MeshShape
 from fldp.schema import check
@@ -191,8 +192,10 @@ def test_a_topology_uses_the_profile(local_profile):
     path, prof = local_profile
     cfg = compose_cfg("topology=local_2", f"+topology.profile={path}")
     check(cfg)  # the schema knows the key
-    hw = hardware_for(cfg.topology)
-    assert hw == Hardware.from_profile(prof) and hardware_for(compose_cfg("topology=local_2").topology) == Hardware()
+    hw = hardware_for(load(cfg).topology)
+    assert (
+        hw == Hardware.from_profile(prof) and hardware_for(load(compose_cfg("topology=local_2")).topology) == Hardware()
+    )
     node = prof["tiers"]["node"]
     assert hw.nvlink == node["beta_bytes_s"] and hw.node_latency == node["alpha_s"]
     compute = prof["compute"]
@@ -303,10 +306,10 @@ def test_the_plan_benchmark_amortises_the_prediction_as_the_run_aggregates(monke
 
     common = ["algorithm=fl_fsdp", "topology=local_4", "trainer.steps=8"]
     cfg = compose_cfg(*common, "algorithm.every=16")
-    at_8 = phases(workload_for(cfg), MeshShape(2, 1, 2), 8, Hardware(), MEASURED)
+    at_8 = phases(workload_for(load(cfg)), MeshShape(2, 1, 2), 8, Hardware(), MEASURED)
     assert predicted(cfg, 16)["aggregation"] == pytest.approx(at_8["aggregation"], rel=1e-12)
     # A = 4 over 8 steps aggregates at 4 and 8: the model's own 1 in 4
-    at_4 = phases(workload_for(cfg), MeshShape(2, 1, 2), 4, Hardware(), MEASURED)
+    at_4 = phases(workload_for(load(cfg)), MeshShape(2, 1, 2), 4, Hardware(), MEASURED)
     assert predicted(compose_cfg(*common, "algorithm.every=4"), 4) == pytest.approx(at_4, rel=1e-12)
 
 

@@ -8,6 +8,7 @@ import torch
 from conftest import cli, compose_cfg, read_rows, run_world
 
 from fldp.comm import CommMeter
+from fldp.config import load
 from fldp.cost import Units, model_units, predict, predict_for, tier_bandwidth
 from fldp.mesh import MeshShape, build_mesh, mesh_shape
 from fldp.model import DTYPES, build_model, llama_config
@@ -164,7 +165,7 @@ def test_measured_bytes_equal_the_exact_model(tmp_path, overrides):
     cfg = compose_cfg(*args)
     shape = mesh_shape(cfg)
     units = model_units(build_model(llama_config(cfg.model, 4096), "meta"), DTYPES[cfg.trainer.precision])
-    pred = predict_for(cfg, units)  # the schedule, federate, reduce dtype, mode, buckets of the config
+    pred = predict_for(load(cfg), units)  # the schedule, federate, reduce dtype, mode, buckets of the config
     rows = read_rows(tmp_path)
     if cfg.algorithm.aggregation:
         every = next(a.split("=", 1)[1] for a in reversed(args) if a.startswith("algorithm.every="))
@@ -247,7 +248,8 @@ def test_cost_rows_for_the_paper_setting():
     from fldp.cost import table
 
     def run(*overrides):
-        return {r["algorithm"]: r for r in table(compose_cfg("topology=leonardo_512", "model=llama3_1_8b", *overrides))}
+        conf = load(compose_cfg("topology=leonardo_512", "model=llama3_1_8b", *overrides))
+        return {r["algorithm"]: r for r in table(conf)}
 
     rows = run()
     assert rows["fsdp"]["mesh"] == "1x1x512" and rows["fl_hsdp"]["mesh"] == "16x8x4"

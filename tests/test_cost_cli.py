@@ -115,3 +115,11 @@ def test_csv_and_json_exclude_each_other(tmp_path):
     proc = fldp_cost(tmp_path, "--csv", "--json")
     assert proc.returncode == 2 and "--json and --csv" in proc.stderr
     assert not list(tmp_path.iterdir())  # refused before anything runs
+
+
+def test_a_bad_setting_is_refused_naming_the_key_with_exit_2(tmp_path):
+    """fldp-cost checks the config as fldp-train does (it used to end in a traceback, exit 1)."""
+    proc = fldp_cost(tmp_path, *PAPER, "trainer.precision=fp64", "algorithm.every=0")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "trainer.precision='fp64': must be one of fp32, bf16" in proc.stderr and "algorithm.every" in proc.stderr
+    assert "Traceback" not in proc.stderr and not list(tmp_path.iterdir())

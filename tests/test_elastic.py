@@ -15,6 +15,7 @@ import torch
 from conftest import QUICK, cli, compose_cfg, identical, needs_netns, read_rows, train_world
 
 from fldp import elastic, faults, netns
+from fldp.config import load
 from fldp.data import prepare
 from fldp.errors import ConfigError
 from fldp.mesh import MeshShape
@@ -269,7 +270,7 @@ def test_a_node_cut_off_for_a_while_is_left_out_and_rejoins_when_its_link_is_bac
     import threading
 
     cfg = compose_cfg("algorithm=fl_fsdp", "topology=netns_4x2", *SHORT, "trainer.steps=48")
-    network = netns.from_config(cfg)
+    network = netns.from_config(load(cfg))
     port = f"n{network.node_of(2 * 2)}"  # group 2's node's end of its link, at the switch
     cut = {}
 

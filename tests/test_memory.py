@@ -123,7 +123,7 @@ def test_the_predicted_peak_is_within_10_percent_of_the_tracked(algorithm, preci
         run_world(_measure, 8, cfg, blocks, out)
         model = build_model(llama_config(cfg.model, blocks.vocab_size), "meta")
         units = model_units(model, DTYPES[cfg.trainer.precision])
-        measured[checkpointing] = (out[checkpointing], for_config(cfg, model, units).peak)
+        measured[checkpointing] = (out[checkpointing], for_config(load(cfg), model, units).peak)
     for checkpointing, (got, want) in measured.items():
         assert abs(want / got - 1) <= 0.10, f"{checkpointing}: tracked {got:,}, predicted {want:,}"
     assert measured["full"][0] < measured["none"][0]
@@ -142,9 +142,9 @@ def test_the_shapes_from_the_config_are_the_models(overrides):
     """fldp-plan reads the parameters from the config (cost.config_shapes: no model is built): they
     must be the meta-device model's, name by name in named_parameters' order, with each one's FSDP
     unit, its buffers' bytes, and what the memory and step-time models make of them."""
-    cfg = compose_cfg(*overrides, "algorithm=fl_hsdp", "topology=local_8")
-    model, units = config_model(cfg)
-    shapes, buffers, found = config_shapes(cfg)
+    conf = load(compose_cfg(*overrides, "algorithm=fl_hsdp", "topology=local_8"))
+    model, units = config_model(conf)
+    shapes, buffers, found = config_shapes(conf)
     assert shapes == Shapes.of(model.config)
     assert list(zip(found.names, (s for s, _ in found.params))) == [
         (n, tuple(p.shape)) for n, p in model.named_parameters()
@@ -152,6 +152,6 @@ def test_the_shapes_from_the_config_are_the_models(overrides):
     assert found == units  # shapes, units, names and element size
     assert buffers == sum(b.numel() * b.element_size() for b in model.buffers())
     assert sum(math.prod(s) for s, _ in found.params) == sum(p.numel() for p in model.parameters())
-    assert workload_of(cfg, shapes, found) == workload_for(cfg, (model, units))
+    assert workload_of(conf, shapes, found) == workload_for(conf, (model, units))
     for shape in (MeshShape(2, 2, 2), MeshShape(1, 1, 8), MeshShape(8, 1, 1)):
-        assert for_shapes(cfg, shapes, buffers, found, shape) == for_config(cfg, model, units, shape)
+        assert for_shapes(conf, shapes, buffers, found, shape) == for_config(conf, model, units, shape)

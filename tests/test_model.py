@@ -4,6 +4,7 @@ import pytest
 import torch
 from conftest import compose_cfg
 
+from fldp.config import load
 from fldp.model import build_model, init_weights, llama_config
 
 
@@ -78,7 +79,7 @@ def test_the_model_ladder_is_one_family_growing_over_thirty_fold():
     sizes = []
     for name in ("tiny_llama", "ladder_1", "ladder_2", "ladder_3"):
         cfg = compose_cfg(f"model={name}")
-        model, _ = config_model(cfg)
+        model, _ = config_model(load(cfg))
         assert type(model).__name__ == "LlamaForCausalLM" and model.config.vocab_size == 4096, name
         head = model.lm_head.weight.numel() + model.model.embed_tokens.weight.numel()
         sizes.append(sum(p.numel() for p in model.parameters()) - head)

@@ -15,6 +15,7 @@ import pytest
 import yaml
 from conftest import compose_cfg
 
+from fldp.config import load
 from fldp.mesh import MeshShape
 from fldp.plan import layouts
 from fldp.schema import check
@@ -56,7 +57,8 @@ def test_the_paper_layouts_fit_and_those_without_sharding_do_not(plan_json):
 
 def _steps(cfg, rows: list[dict]) -> list[float]:
     """Each row's step time as fldp/steptime.py predicts it for the config's topology."""
-    work, hw, eff = workload_for(cfg), hardware_for(cfg.topology), efficiency_for(cfg.topology)
+    conf = load(cfg)
+    work, hw, eff = workload_for(conf), hardware_for(conf.topology), efficiency_for(conf.topology)
     return [
         sum(phases(work, MeshShape(r["federation"], r["replicate"], r["shard"]), r["every"], hw, eff).values())
         for r in rows

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from fldp import checkpoint
 from fldp.checkpoint import group_bytes, latest, prune
+from fldp.config import load
 from fldp.launch import WorkerError
 from fldp.mesh import mesh_shape
 from fldp.model import build_model, llama_config
@@ -88,7 +89,7 @@ def test_kill_the_launcher_resume_and_keep_last_keeps_the_newest_complete_checkp
     # the dry run's size formula against the bytes DCP wrote (fp32 weights + AdamW's 2 moments)
     cfg = compose_cfg(*RUN)
     model = build_model(llama_config(cfg.model, 4096), "meta")  # the shipped tokenizer's 4,096 tokens
-    expected, _ = group_bytes(cfg, mesh_shape(cfg), [(n, p.numel()) for n, p in model.named_parameters()])
+    expected, _ = group_bytes(load(cfg), mesh_shape(cfg), [(n, p.numel()) for n, p in model.named_parameters()])
     written = sum(f.stat().st_size for f in (checkpoints / "step_00000012" / "group_0").iterdir())
     # DCP adds ~1 kB per tensor and its .metadata: 4% of this tiny model, nothing for the 8B one
     assert expected <= written < expected * 1.05, (written, expected)
@@ -393,7 +394,7 @@ def test_the_dry_runs_checkpoint_size_counts_what_a_casting_reduce_keeps(tmp_pat
     assert (mesh_shape(cfg).federation, mesh_shape(cfg).replicate, mesh_shape(cfg).shard) == (2, 2, 1)
     train_world(cfg, tmp_path / "run")
     model = build_model(llama_config(cfg.model, 4096), "meta")
-    expected, held = group_bytes(cfg, mesh_shape(cfg), [(n, p.numel()) for n, p in model.named_parameters()])
+    expected, held = group_bytes(load(cfg), mesh_shape(cfg), [(n, p.numel()) for n, p in model.named_parameters()])
     written = sum(f.stat().st_size for f in (tmp_path / "run" / "checkpoints" / "step_00000002" / "group_0").iterdir())
     assert expected <= written < expected * 1.05, (written, expected, held)
 
