@@ -453,22 +453,47 @@ def _median_over_ranks(computed: list[dict]) -> dict:
 
 def calibrate_rank(conf: Config, settings: Settings, out: str, device) -> None:
     """Every rank: the compute, all ranks at once (the median rank's; a GPU each has its own, the
-    cores of a CPU node its ranks share, as in a run), then the tiers' collectives; rank 0 writes
-    the profile."""
+    cores of a CPU node its ranks share, as in a run), before the tiers' collectives and again after
+    each tier; rank 0 writes the profile with each compute term the median of those measurements
+    (one measurement carried a shared VM's passing slowness into every layout's prediction, issue 47)."""
     import torch.distributed as dist
 
     from .model import DTYPES
 
     topology = conf.topology
+    dtype = DTYPES[conf.trainer.precision]
+    tiers = tiers_of(topology.nodes, topology.procs_per_node, settings.shared)
+    computes, measured = [_compute_on_all_ranks(conf, settings, device)], {}
+    for tier in tiers:
+        measured[tier.name] = time_tier(tier, settings, dtype, device)
+        computes.append(_compute_on_all_ranks(conf, settings, device))
+    if dist.get_rank() == 0:
+        write(profile(conf, settings, tiers, measured, median_over_samples(computes), dist.get_backend()), out)
+
+
+def _compute_on_all_ranks(conf: Config, settings: Settings, device) -> dict:
+    import torch.distributed as dist
+
     dist.barrier()  # every rank computes at once, as in a run: on a CPU the node's ranks share its cores
     computed: list = [None] * dist.get_world_size()
     dist.all_gather_object(computed, measure_compute(conf, settings, device))
-    compute = _median_over_ranks(computed)
-    dtype = DTYPES[conf.trainer.precision]
-    tiers = tiers_of(topology.nodes, topology.procs_per_node, settings.shared)
-    measured = {tier.name: time_tier(tier, settings, dtype, device) for tier in tiers}
-    if dist.get_rank() == 0:
-        write(profile(conf, settings, tiers, measured, compute, dist.get_backend()), out)
+    return _median_over_ranks(computed)
+
+
+def median_over_samples(samples: list[dict]) -> dict:
+    """The compute measured several times during a calibration, as one: each number the median of
+    its measurements (flags and counts the first's), and `compute_spread`: how far the slowest
+    measurement of the step (the trainer's one-rank step where measured, else the model's) was
+    above the fastest, which steptime.drifted reports where it matters."""
+    out = dict(samples[0], compute_samples=len(samples))
+    for key, value in samples[0].items():
+        if isinstance(value, float):
+            out[key] = statistics.median(s[key] for s in samples)
+    step = [
+        s["step_forward_s"] + s["step_backward_s"] if "step_forward_s" in s else s["model_train_s"] for s in samples
+    ]
+    out["compute_spread"] = max(step) / min(step) - 1
+    return out
 
 
 def profile(conf: Config, settings: Settings, tiers: list[Tier], measured: dict, compute: dict, backend: str) -> dict:

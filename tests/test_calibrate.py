@@ -176,6 +176,7 @@ def test_the_installed_command_writes_a_profile_of_the_machine(local_profile):
     assert all(compute[f"step_{p}_s"] > 0 for p in ("forward", "backward", "optimizer"))
     assert compute["flop_s_step"] > 1e6 and compute["optimizer_bytes_s_step"] > 1e6
     assert compute["step_slowest_s"] > 0 and "step_laps_s" not in compute  # the laps are not the profile's
+    assert compute["compute_samples"] == 2 and compute["compute_spread"] >= 0  # before the node tier and after
     # and sharded over the node's 2 ranks: the optimizer's fixed part and FSDP2's own work from it
     assert compute["sharded_shard"] == 2 and compute["sharded_step_slowest_s"] > 0
     assert all(compute[f"sharded_step_{p}_s"] > 0 for p in ("forward", "backward", "optimizer"))
@@ -442,3 +443,23 @@ def test_the_calibrated_model_gives_back_the_two_steps_it_was_calibrated_on():
     assert (node["forward"], node["backward"], node["optimizer"]) == pytest.approx((0.08, 0.1, 0.016))
     assert terms["fsdp_forward_s"] > 0 and terms["fsdp_backward_s"] > 0
     assert sharded_terms({**profile, "compute": {k: v for k, v in compute.items() if "sharded" not in k}}, work) == {}
+
+
+def test_the_compute_is_the_median_of_its_measurements_and_a_drift_past_the_sensitivity_is_named():
+    """One compute measurement carried a shared VM's passing speed into every layout of a drawn
+    setting (issue 47: 1.12-1.59x): the calibration measures it before the tiers and after each,
+    keeps each term's median, and fldp-plan names a drift of more than steptime.SENSITIVITY."""
+    from fldp.calibrate import median_over_samples
+    from fldp.steptime import SENSITIVITY, drifted
+
+    def sample(forward: float) -> dict:
+        return {"whole_model": True, "tokens_per_rank": 256, "step_forward_s": forward, "step_backward_s": 0.2}
+
+    compute = median_over_samples([sample(0.1), sample(0.3), sample(0.12)])
+    assert compute["step_forward_s"] == 0.12 and compute["step_backward_s"] == 0.2 and compute["compute_samples"] == 3
+    assert compute["whole_model"] is True and compute["tokens_per_rank"] == 256
+    assert compute["compute_spread"] == pytest.approx(0.5 / 0.3 - 1)
+    (note,) = drifted({"compute": compute})
+    assert "measured 3 times during the calibration, moved by 67%" in note
+    steady = median_over_samples([sample(0.1), sample(0.3 * (1 + 0.99 * SENSITIVITY) - 0.2)])  # steps 0.3 and ~0.33
+    assert steady["compute_spread"] == pytest.approx(0.99 * SENSITIVITY) and drifted({"compute": steady}) == []
