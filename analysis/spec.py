@@ -1,27 +1,36 @@
 """A study as data: experiments/<study>/study.yaml, its pre-registration. The arms (Hydra overrides),
 the phases and their seeds, the rule that sets the judging seeds, the families of comparisons the
 verdicts come from, and the reduced pipeline CI runs. Loaded and checked here, every problem at once
-(SpecError: the key, what is wrong, the fix) before anything runs. `fldp-study` (analysis.study)
-runs and reports it; docs/studies.md shows a whole spec."""
+(SpecError: the key, what is wrong, the fix) before anything runs: the types and ranges by pydantic,
+what the keys name (arms, phases, families) by `_references`. `fldp-study` (analysis.study) runs and
+reports it; docs/studies.md shows a whole spec."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
-from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Annotated, Any, Literal, get_type_hints
 
 import yaml
+from pydantic import ConfigDict, Field, StrictBool, StrictInt, TypeAdapter, ValidationError
+from pydantic.dataclasses import dataclass
 
 TESTS = ("judge", "explore")  # analysis.stats: a family's verdicts, or comparisons shown and not judged
 PAPER_SIDES = ("paper", "above", "below")  # the paper's own ratio, or only the claim's side of 1
 METRICS = ("eval_perplexity", "train_time_s")  # a family's ratios: of a run's final eval perplexity, or its time
+STRICT = ConfigDict(extra="forbid", coerce_numbers_to_str=True)  # an override `seed=3` read as 3 is "3"
+Seeds = Annotated[tuple[StrictInt, ...], Field(min_length=1)]
+Positive = Annotated[float, Field(gt=0)]
 
 
 class SpecError(Exception):
     """What is wrong with a spec: one line per problem."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=STRICT)
 class Comparison:
     """Claim: num's metric / den's, over paired seeds; `paper`: the paper's value of the ratio of
     the two arms' algorithms, or "above"/"below" (no value: only the side the claim is on). `also`:
@@ -31,43 +40,43 @@ class Comparison:
     claim: str
     num: str
     den: str
-    paper: str = "paper"
+    paper: Literal["paper", "above", "below"] = "paper"
     also: str | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=STRICT)
 class Family:
-    """`phases`: where its arms' runs are looked for (one, or several where its arms belong to
-    different phases: each arm's runs are in one of them). `note`: what the report says above the
-    family's table (e.g. why it is explored only). `metric`: the run's number each ratio is of
-    (the tiny study's time claims: train_time_s)."""
+    """`phases` (in YAML `phase`: one, or a list): where its arms' runs are looked for (several where
+    its arms belong to different phases: each arm's runs are in one of them). `note`: what the report
+    says above the family's table (e.g. why it is explored only). `metric`: the run's number each
+    ratio is of (the tiny study's time claims: train_time_s)."""
 
     name: str
-    phases: tuple[str, ...]
-    test: str
-    comparisons: tuple[Comparison, ...]
+    phases: Annotated[tuple[str, ...], Field(min_length=1)]
+    test: Literal["judge", "explore"]
+    comparisons: Annotated[tuple[Comparison, ...], Field(min_length=1)]
     note: str = ""
-    metric: str = "eval_perplexity"
+    metric: Literal["eval_perplexity", "train_time_s"] = "eval_perplexity"
 
     @property
     def phase(self) -> str:
         return self.phases[0]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=STRICT)
 class Phase:
-    """`seeds`: fixed; or None: as many as `seed_rule` decides (each arm from 0). `overrides`: for
-    this phase's runs only. `run: false`: a phase whose runs are kept and reported but never made
-    again (an amended plan's earlier runs)."""
+    """`seeds`: fixed; or None: as many as `seed_rule` decides (each arm from 0). `arms`: all the
+    spec's where not given. `overrides`: for this phase's runs only. `run: false`: a phase whose runs
+    are kept and reported but never made again (an amended plan's earlier runs)."""
 
     name: str
     arms: tuple[str, ...]
-    seeds: tuple[int, ...] | None
+    seeds: Seeds | None = None
     overrides: tuple[str, ...] = ()
-    run: bool = True
+    run: StrictBool = True
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=STRICT)
 class SeedRule:
     """The judging seeds from a pilot: the least n giving every ratio of `family` a half-width of
     at most `half_width` at the pilot's paired SDs, within [min, max]; with `budget_s`, capped so one
@@ -76,15 +85,15 @@ class SeedRule:
 
     phase: str
     family: str
-    half_width: float
-    min: int
-    max: int | None = None
-    budget_s: float | None = None
-    fallback_seeds: int | None = None
+    half_width: Positive
+    min: Annotated[StrictInt, Field(ge=2)]
+    max: StrictInt | None = None
+    budget_s: Positive | None = None
+    fallback_seeds: StrictInt | None = None
     fallback_arms: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=STRICT)
 class Beside:
     """`family`'s rows beside another study's committed primary verdicts, claim by claim: in order,
     or `rows[i]` the other study's row beside the family's i-th comparison."""
@@ -92,7 +101,7 @@ class Beside:
     family: str
     study: str
     label: str
-    rows: tuple[int, ...] = ()
+    rows: tuple[Annotated[StrictInt, Field(ge=0)], ...] = ()
 
 
 # named pieces of a report a spec can ask for (analysis.pieces), each with the arguments it takes
@@ -110,56 +119,58 @@ PIECES = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=STRICT)
 class Piece:
+    """In YAML its name, or a mapping {name: {its arguments}}."""
+
     name: str
-    args: dict = field(default_factory=dict)
+    args: dict = dataclasses.field(default_factory=dict)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=STRICT)
 class Tune:
-    """Each tuned arm's value of `key`, chosen from its runs in `phases` (one, or several where the
-    arms are tuned at different times: the model-size ladder, a rung at a time), where they sweep
-    `grid` over the phase's seeds: the value with the lowest geometric-mean metric; where that is at
-    an edge of the grid, one more value past it (times or over `step`, to 3 digits) is run, once. An
-    arm's override `KEY=@ARM` takes ARM's chosen value (the paper-shape study: every arm's lr, and
-    FSDP's as the shared one)."""
+    """Each tuned arm's value of `key`, chosen from its runs in `phases` (in YAML `phase`: one, or
+    several where the arms are tuned at different times: the model-size ladder, a rung at a time),
+    where they sweep `grid` over the phase's seeds: the value with the lowest geometric-mean metric;
+    where that is at an edge of the grid, one more value past it (times or over `step`, to 3 digits)
+    is run, once. An arm's override `KEY=@ARM` takes ARM's chosen value (the paper-shape study: every
+    arm's lr, and FSDP's as the shared one)."""
 
     phases: tuple[str, ...]
     key: str
-    grid: tuple[float, ...]
-    step: float | None = None
+    grid: Annotated[tuple[Positive, ...], Field(min_length=2)]
+    step: Positive | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=STRICT)
 class Reduced:
     """CI's pipeline check: more overrides, fewer seeds: a phase's from `seeds` where it names the
     phase, else 0..judging_seeds-1; `grid`: the tune phase's, where given; `until`: the last phase it
     runs (the model-size ladder's: its two small rungs), else every one."""
 
-    overrides: tuple[str, ...]
-    seeds: dict[str, tuple[int, ...]]
-    judging_seeds: int
-    grid: tuple[float, ...] = ()
+    judging_seeds: StrictInt
+    overrides: tuple[str, ...] = ()
+    seeds: dict[str, Seeds] = dataclasses.field(default_factory=dict)
+    grid: tuple[Positive, ...] = ()
     until: str | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=STRICT)
 class Study:
-    name: str
-    title: str
+    name: Annotated[str, Field(min_length=1)]
+    title: Annotated[str, Field(min_length=1)]
     directory: Path
     train: tuple[str, ...]
-    arms: dict[str, tuple[str, ...]]
-    phases: tuple[Phase, ...]
-    families: tuple[Family, ...]
-    target: float
+    arms: Annotated[dict[str, tuple[str, ...]], Field(min_length=1)]
+    phases: Annotated[tuple[Phase, ...], Field(min_length=1)]
+    families: Annotated[tuple[Family, ...], Field(min_length=1)]
+    target: Annotated[float, Field(gt=0, lt=1)]
     reduced: Reduced
     seed_rule: SeedRule | None = None
     beside: tuple[Beside, ...] = ()
     pieces: tuple[Piece, ...] = ()
     tune: Tune | None = None
-    sha256: str = field(default="", compare=False)
+    sha256: str = dataclasses.field(default="", compare=False)
 
     @property
     def plan(self) -> Path:
@@ -186,285 +197,249 @@ def load(path: str | Path) -> Study:
         data = yaml.safe_load(raw)
     except yaml.YAMLError as e:
         raise SpecError(f"{path}: not YAML ({e})") from None
-    problems: list[str] = []
-    study = _build(data if isinstance(data, dict) else {}, path.parent.resolve(), problems)
     if not isinstance(data, dict):
-        problems.insert(0, "the spec is not a mapping of keys (name, arms, phases, families, ...)")
+        raise SpecError(f"{path}: the spec is not a mapping of keys (name, arms, phases, families, ...)")
+    problems = [f"unknown key '{k}' (the keys: {', '.join(KEYS)})" for k in sorted(set(data) - set(KEYS))]
+    parts, found = _typed(_as_fields(data), data)
+    problems += found + _references(SimpleNamespace(**{**DEFAULTS, **parts}), data)
     if problems:
-        raise SpecError("\n".join(f"{path}: {p}" for p in problems))
-    assert study is not None
-    return Study(**{**study.__dict__, "sha256": hashlib.sha256(raw).hexdigest()})
+        raise SpecError("\n".join(f"{path}: {p}" for p in dict.fromkeys(problems)))
+    return Study(**parts, directory=path.parent.resolve(), sha256=hashlib.sha256(raw).hexdigest())
 
 
-KEYS = {
-    *("name", "title", "train", "arms", "phases", "families", "target", "reduced", "seed_rule", "beside"),
-    *("pieces", "tune"),
+KEYS: tuple[str, ...] = ("name", "title", "train", "arms", "phases", "families", "target", "reduced")
+KEYS += ("seed_rule", "beside", "pieces", "tune")
+# the fix each key's wrong value asks for, by its name (the last name in its path)
+HINTS = {
+    "seeds": "a list of integer seeds, or absent (the seed rule decides)",
+    "test": f"one of {', '.join(TESTS)}",
+    "paper": f"one of {', '.join(PAPER_SIDES)}",
+    "metric": f"one of {', '.join(METRICS)}",
+    "comparisons": "a family of zero; list at least one {claim, num, den} (arm names)",
+    "target": "the half-width a verdict's interval should meet, e.g. 0.02 (+-2%)",
+    "run": "true or false (false: its runs are kept, never made again)",
+    "grid": "at least two positive numbers",
+    "min": "an integer >= 2",
+    "half_width": "a positive number, e.g. 0.018",
+    "rows": "the other study's row (from 0) beside each comparison",
+    "judging_seeds": "an integer: the judging seeds of CI's pipeline check",
+    "arms": "a mapping of each arm to its Hydra overrides, e.g. `fsdp: [algorithm=fsdp]`",
+    "name": "a string (name: the study's short name, as in outputs/NAME)",
+    "phases": "a mapping with a name (and seeds, arms, overrides, run)",
+    "families": "a mapping with a name, a phase, a test and comparisons",
+    "beside": "a mapping of family, study and label (and rows)",
+    "pieces": f"one of {', '.join(PIECES)}, e.g. `- reruns: {{phase: P, of: STUDY, metric: eval_loss}}`",
 }
 
 
-def _build(d: dict, directory: Path, problems: list[str]) -> Study | None:
-    for key in sorted(set(d) - KEYS):
-        problems.append(f"unknown key '{key}' (the keys: {', '.join(sorted(KEYS))})")
-    arms = {str(k): tuple(_strings(v, f"arms.{k}", problems)) for k, v in _mapping(d, "arms", problems).items()}
-    for name, overrides in arms.items():
-        for o in overrides:
-            if "=" not in o:
-                problems.append(f"arms.{name}: '{o}' is not a Hydra override KEY=VALUE")
-    if not arms:
-        problems.append("arms: none; name each arm and its overrides, e.g. `fsdp: [algorithm=fsdp]`")
-    phases = tuple(_phase(p, i, arms, problems) for i, p in enumerate(_list(d, "phases", problems)))
-    names = [p.name for p in phases]
-    families = tuple(_family(f, i, arms, names, problems) for i, f in enumerate(_list(d, "families", problems)))
-    rule = _seed_rule(d.get("seed_rule"), arms, names, [f.name for f in families], problems)
-    if rule is None and any(p.seeds is None for p in phases):
-        problems.append("phases: a phase without seeds needs seed_rule, which decides them")
-    reduced = _reduced(d.get("reduced"), names, problems)
-    beside = tuple(_beside(b, families, problems) for b in _list(d, "beside", problems, True))
-    pieces = tuple(_piece(p, names, problems) for p in _list(d, "pieces", problems, True))
-    for piece in (p for p in pieces if p.name == "slope"):
-        _slope(piece.args, arms, names, problems)
-    for piece in pieces:
-        _named(piece, arms, [f.name for f in families], names, problems)
-    tune = _tune(d.get("tune"), arms, phases, problems)
-    target = d.get("target")
-    if not isinstance(target, (int, float)) or not 0 < target < 1:
-        problems.append(f"target: {target!r}; the half-width a verdict's interval should meet, e.g. 0.02 (+-2%)")
-    for key in ("name", "title"):
-        if not isinstance(d.get(key), str) or not d.get(key):
-            problems.append(f"{key}: missing; a string (name: the study's short name, as in outputs/NAME)")
-    train = tuple(_strings(d.get("train", []), "train", problems))
-    if problems:
-        return None
-    return Study(
-        d["name"],
-        d["title"],
-        directory,
-        train,
-        arms,
-        phases,
-        families,
-        float(d["target"]),
-        reduced,
-        rule,
-        beside,
-        pieces,
-        tune,
-    )
+# each key's type: validated one key (and one list entry) at a time, so one bad entry hides nothing
+PARTS = {k: t for k, t in get_type_hints(Study, include_extras=True).items() if k in KEYS}
+ITEMS = {"phases": Phase, "families": Family, "beside": Beside, "pieces": Piece}
+REQUIRED = ("name", "title", "arms", "phases", "families", "target", "reduced")
+DEFAULTS: dict[str, Any] = {**dict.fromkeys(ITEMS, ()), "arms": {}, "seed_rule": None, "reduced": None, "tune": None}
 
 
-def _mapping(d: dict, key: str, problems: list[str]) -> dict:
-    v = d.get(key, {})
-    if not isinstance(v, dict):
-        problems.append(f"{key}: a mapping, not {type(v).__name__}")
-        return {}
-    return v
+@functools.cache
+def _adapter(kind) -> TypeAdapter:
+    return TypeAdapter(kind) if dataclasses.is_dataclass(kind) else TypeAdapter(kind, config=STRICT)
 
 
-def _list(d: dict, key: str, problems: list[str], optional: bool = False) -> list:
-    v = d.get(key, [] if optional else None)
-    if not isinstance(v, list) or (not v and not optional):
-        problems.append(f"{key}: a list of at least one entry, not {v!r}")
-        return []
-    return v
-
-
-def _strings(v, key: str, problems: list[str]) -> list[str]:
-    if not isinstance(v, list) or not all(isinstance(x, (str, int, float)) for x in v):
-        problems.append(f"{key}: a list of strings, not {v!r}")
-        return []
-    return [str(x) for x in v]
-
-
-def _seeds(v, key: str, problems: list[str]) -> tuple[int, ...] | None:
-    if v is None:
-        return None
-    if not isinstance(v, list) or not v or not all(isinstance(s, int) and not isinstance(s, bool) for s in v):
-        problems.append(f"{key}: a list of integer seeds, or absent (the seed rule decides)")
-        return ()
-    return tuple(v)
-
-
-def _unknown_arms(names, arms: dict, key: str, problems: list[str]) -> None:
-    for a in names:
-        if a not in arms:
-            problems.append(f"{key}: no arm '{a}' (the arms: {', '.join(arms)}); add it under arms or fix the name")
-
-
-def _phase(p, i: int, arms: dict, problems: list[str]) -> Phase:
-    key = f"phases[{i}]"
-    if not isinstance(p, dict) or not isinstance(p.get("name"), str):
-        problems.append(f"{key}: a mapping with a name (and seeds, arms)")
-        return Phase(f"?{i}", (), ())
-    key = f"phases.{p['name']}"
-    for extra in sorted(set(p) - {"name", "arms", "seeds", "overrides", "run"}):
-        problems.append(f"{key}: unknown key '{extra}' (a phase's keys: name, arms, seeds, overrides, run)")
-    names = tuple(_strings(p.get("arms", list(arms)), f"{key}.arms", problems))
-    _unknown_arms(names, arms, f"{key}.arms", problems)
-    if not isinstance(p.get("run", True), bool):
-        problems.append(f"{key}.run: true or false (false: its runs are kept, never made again)")
-    overrides = tuple(_strings(p.get("overrides", []), f"{key}.overrides", problems))
-    return Phase(p["name"], names, _seeds(p.get("seeds"), f"{key}.seeds", problems), overrides, p.get("run", True))
-
-
-def _family(f, i: int, arms: dict, phases: list[str], problems: list[str]) -> Family:
-    key = f"families[{i}]"
-    if not isinstance(f, dict) or not isinstance(f.get("name"), str):
-        problems.append(f"{key}: a mapping with a name, a phase, a test and comparisons")
-        return Family(f"?{i}", ("",), "judge", ())
-    key = f"families.{f['name']}"
-    own = tuple(f["phase"]) if isinstance(f.get("phase"), list) and f["phase"] else (f.get("phase"),)
-    for phase in own:
-        if phase not in phases:
-            problems.append(f"{key}.phase: {phase!r} is not a phase (the phases: {', '.join(phases)})")
-    if f.get("test", "judge") not in TESTS:
-        problems.append(f"{key}.test: {f.get('test')!r}; one of {', '.join(TESTS)}")
-    comparisons = []
-    raw = f.get("comparisons")
-    if not isinstance(raw, list) or not raw:
-        problems.append(f"{key}.comparisons: a family of zero; list at least one {{claim, num, den}}")
-        raw = []
-    for j, c in enumerate(raw):
-        if not isinstance(c, dict) or not all(isinstance(c.get(k), str) for k in ("claim", "num", "den")):
-            problems.append(f"{key}.comparisons[{j}]: a mapping with claim, num and den (arm names)")
+def _typed(d: dict, raw: dict) -> tuple[dict, list[str]]:
+    """The spec's values typed (`d`: _as_fields of `raw`), and the problems, each as the spec names it."""
+    parts, problems = {}, []
+    for key, kind in {**PARTS, **ITEMS}.items():  # ITEMS' types for the entries of its keys
+        if d.get(key) is None:
+            problems += [f"{key}: missing; {HINTS.get(key, 'required')}"] * (key in REQUIRED)
             continue
-        _unknown_arms([c["num"], c["den"]], arms, f"{key}.comparisons[{j}]", problems)
-        if c.get("paper", "paper") not in PAPER_SIDES:
-            problems.append(f"{key}.comparisons[{j}].paper: {c.get('paper')!r}; one of {', '.join(PAPER_SIDES)}")
-        comparisons.append(Comparison(c["claim"], c["num"], c["den"], c.get("paper", "paper"), c.get("also")))
-    metric = f.get("metric", "eval_perplexity")
-    if metric not in METRICS:
-        problems.append(f"{key}.metric: {metric!r}; one of {', '.join(METRICS)}")
-    note = str(f.get("note", ""))
-    return Family(f["name"], tuple(map(str, own)), f.get("test", "judge"), tuple(comparisons), note, str(metric))
+        if key not in ITEMS:
+            try:
+                parts[key] = _adapter(kind).validate_python(d[key])
+            except ValidationError as e:
+                problems += [_problem(err, raw, (key,)) for err in e.errors()]
+            continue
+        if not isinstance(d[key], list) or not d[key] and key in REQUIRED:
+            problems.append(f"{key}: a list of at least one entry, not {d[key]!r}")
+            continue
+        parts[key] = []
+        for i, item in enumerate(d[key]):
+            try:
+                parts[key].append(_adapter(kind).validate_python(item))
+            except ValidationError as e:
+                problems += [_problem(err, raw, (key, i)) for err in e.errors()]
+    return {k: tuple(v) if k in ITEMS else v for k, v in parts.items()}, problems
 
 
-def _seed_rule(r, arms: dict, phases: list[str], families: list[str], problems: list[str]) -> SeedRule | None:
-    if r is None:
+def _as_fields(d: dict) -> dict:
+    """The YAML's shorthands as the dataclasses' fields: a family's or the tune block's `phase` (one
+    or a list) as `phases`, a phase's absent `arms` as every arm, a family's absent `test` as judge,
+    a piece's name or {name: args}."""
+    out = {k: v for k, v in d.items() if k in KEYS}
+    arms = list(d["arms"]) if isinstance(d.get("arms"), dict) else []
+    if isinstance(d.get("phases"), list):
+        out["phases"] = [{"arms": arms, **p} if isinstance(p, dict) else p for p in d["phases"]]
+    if isinstance(d.get("families"), list):
+        out["families"] = [_phases({"test": "judge", **f} if isinstance(f, dict) else f) for f in d["families"]]
+    if isinstance(d.get("tune"), dict):
+        out["tune"] = _phases(d["tune"])
+    if isinstance(d.get("pieces"), list):
+        out["pieces"] = [_piece(p) for p in d["pieces"]]
+    return out
+
+
+def _phases(d):
+    if not isinstance(d, dict) or "phase" not in d:
+        return d
+    phases = d["phase"] if isinstance(d["phase"], list) else [d["phase"]]
+    return {**{k: v for k, v in d.items() if k != "phase"}, "phases": phases}
+
+
+def _piece(p):
+    if isinstance(p, str):
+        return {"name": p}
+    if isinstance(p, dict) and len(p) == 1:
+        name, args = next(iter(p.items()))
+        return {"name": name, "args": args}
+    return p
+
+
+def _problem(err: Any, data: dict, at: tuple) -> str:
+    """A pydantic error as `KEY: VALUE; THE FIX`, the key as the spec names it (`phases.pilot.seeds`,
+    `families.primary.comparisons[0].paper`; `at`: where the validated value is in the spec)."""
+    names: list[str] = []
+    node: Any = data
+    value: Any = data
+    for i, part in enumerate((*at, *err["loc"])):
+        if isinstance(part, str):
+            part = "phase" if part == "phases" and isinstance(node, dict) and "phase" in node else part
+            names.append(part)
+            node = value = node.get(part) if isinstance(node, dict) else None
+        elif isinstance(node, list) and part < len(node) and (i < len(at) or isinstance(node[part], dict)):
+            item = node[part]  # an entry: named by its name, else its index; a scalar's list is the value
+            names[-1] += (
+                f".{item['name']}" if isinstance(item, dict) and isinstance(item.get("name"), str) else f"[{part}]"
+            )
+            node = value = item
+        else:
+            break
+    key = ".".join(names)
+    if err["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
+        return f"{key.rpartition('.')[0]}: unknown key '{names[-1]}'"
+    hint = HINTS.get(names[-1].split(".")[0].split("[")[0], err["msg"])
+    return f"{key}: missing; {hint}" if err["type"] == "missing" else f"{key}: {value!r}; {hint}"
+
+
+def _references(study, raw: dict) -> list[str]:
+    """What the keys name must be the spec's own: arms, phases, families, named as the spec names
+    them (`raw`), so that an entry with a problem of its own adds no other; `study`: what is valid."""
+    arms = raw["arms"] if isinstance(raw.get("arms"), dict) else None  # None: not checked
+    phases, named = _names(raw, "phases"), _names(raw, "families")
+    families = {f.name: f for f in study.families}
+    problems = [
+        f"arms.{a}: '{o}' is not a Hydra override KEY=VALUE"
+        for a, own in study.arms.items()
+        for o in own
+        if "=" not in o
+    ]
+    for p in study.phases:
+        problems += _no_arms(p.arms, arms, f"phases.{p.name}.arms")
+    for f in study.families:
+        problems += _no_phases(f.phases, phases, f"families.{f.name}.phase")
+        for j, c in enumerate(f.comparisons):
+            problems += _no_arms([c.num, c.den], arms, f"families.{f.name}.comparisons[{j}]")
+    rule = study.seed_rule
+    if rule is not None:
+        problems += _no_phases([rule.phase], phases, "seed_rule.phase")
+        problems += _no_family([rule.family], named, "seed_rule.family")
+        problems += _no_arms(rule.fallback_arms, arms, "seed_rule.fallback_arms")
+    elif "seed_rule" not in raw and any(p.seeds is None for p in study.phases):
+        problems.append("phases: a phase without seeds needs seed_rule, which decides them")
+    if study.reduced is not None:
+        problems += _no_phases(study.reduced.seeds, phases, "reduced.seeds")
+        problems += _no_phases([study.reduced.until] if study.reduced.until else [], phases, "reduced.until")
+    for b in study.beside:
+        family = families.get(b.family)
+        problems += _no_family([b.family], named, "beside.family")
+        if family is not None and b.rows and len(b.rows) != len(family.comparisons):
+            problems.append(
+                f"beside.rows: {len(b.rows)} rows for family {b.family}'s {len(family.comparisons)} comparisons"
+            )
+    for piece in study.pieces:
+        problems += _piece_problems(piece, arms, named, phases)
+    return problems + _tune_problems(study, phases)
+
+
+def _names(raw: dict, key: str) -> list[str] | None:
+    """The names of a list's entries, as the spec writes them; None (not checked) if not a list."""
+    if not isinstance(raw.get(key), list):
         return None
-    fields_ = set(SeedRule.__dataclass_fields__)
-    if not isinstance(r, dict) or set(r) - fields_:
-        problems.append(f"seed_rule: a mapping of {', '.join(sorted(fields_))}")
-        return None
-    if r.get("phase") not in phases:
-        problems.append(f"seed_rule.phase: {r.get('phase')!r} is not a phase (the phases: {', '.join(phases)})")
-    if r.get("family") not in families:
-        problems.append(f"seed_rule.family: {r.get('family')!r} is not a family ({', '.join(families)})")
-    if not isinstance(r.get("min"), int) or r["min"] < 2 or not isinstance(r.get("half_width"), (int, float)):
-        problems.append("seed_rule: min (an integer >= 2) and half_width (e.g. 0.018) are required")
-    _unknown_arms(r.get("fallback_arms", []), arms, "seed_rule.fallback_arms", problems)
-    return SeedRule(**{**r, "fallback_arms": tuple(r.get("fallback_arms", []))})
+    return [e["name"] for e in raw[key] if isinstance(e, dict) and isinstance(e.get("name"), str)]
 
 
-def _reduced(r, phases: list[str], problems: list[str]) -> Reduced:
-    if not isinstance(r, dict) or not isinstance(r.get("judging_seeds"), int):
-        problems.append("reduced: a mapping with overrides, seeds (per phase) and judging_seeds (CI's pipeline check)")
-        return Reduced((), {}, 0)
-    seeds = {}
-    for phase, v in (r.get("seeds") or {}).items():
-        if phase not in phases:
-            problems.append(f"reduced.seeds.{phase}: not a phase (the phases: {', '.join(phases)})")
-        seeds[phase] = _seeds(v, f"reduced.seeds.{phase}", problems) or ()
-    grid = tuple(r.get("grid") or ())
-    if not all(isinstance(v, (int, float)) and v > 0 for v in grid):
-        problems.append(f"reduced.grid: {list(grid)!r}; positive numbers")
-    overrides = tuple(_strings(r.get("overrides", []), "reduced.overrides", problems))
-    if r.get("until") is not None and r["until"] not in phases:
-        problems.append(f"reduced.until: {r['until']!r} is not a phase (the phases: {', '.join(phases)})")
-    return Reduced(overrides, seeds, r["judging_seeds"], tuple(float(v) for v in grid), r.get("until"))
+def _no_arms(names, arms: dict | None, key: str) -> list[str]:
+    if arms is None:
+        return []
+    return [
+        f"{key}: no arm '{a}' (the arms: {', '.join(arms)}); add it under arms or fix the name"
+        for a in names
+        if a not in arms
+    ]
 
 
-def _tune(t, arms: dict, phases: tuple[Phase, ...], problems: list[str]) -> Tune | None:
-    """The tune block, and every `KEY=@ARM` override naming its key and a tuned arm."""
-    uses = [(a, o) for a, own in arms.items() for o in own if "=@" in o]
+def _no_phases(names, phases: list[str] | None, key: str) -> list[str]:
+    if phases is None:
+        return []
+    return [f"{key}: {p!r} is not a phase (the phases: {', '.join(phases)})" for p in names if p not in phases]
+
+
+def _no_family(names, families: list[str] | None, key: str) -> list[str]:
+    if families is None:
+        return []
+    return [f"{key}: {f!r} is not a family ({', '.join(families)})" for f in names if f not in families]
+
+
+def _tune_problems(study, phases: list[str] | None) -> list[str]:
+    """The tune block's phases, and every `KEY=@ARM` override naming its key and a tuned arm."""
+    uses = [(a, o) for a, own in study.arms.items() for o in own if "=@" in o]
+    t = study.tune
     if t is None:
-        for a, o in uses:
-            problems.append(f"arms.{a}: '{o}' takes a tuned value, but the spec has no tune block")
-        return None
-    if not isinstance(t, dict) or set(t) - {"phase", "key", "grid", "step"}:
-        problems.append("tune: a mapping of phase, key, grid (and step)")
-        return None
-    names = tuple(t["phase"]) if isinstance(t.get("phase"), list) else (t.get("phase"),)
-    own = [p for p in phases if p.name in names]
-    for name in names:
-        if name not in [p.name for p in phases]:
-            problems.append(f"tune.phase: {name!r} is not a phase ({', '.join(p.name for p in phases)})")
-    grid = t.get("grid")
-    if not isinstance(grid, list) or len(grid) < 2 or not all(isinstance(v, (int, float)) and v > 0 for v in grid):
-        problems.append(f"tune.grid: {grid!r}; at least two positive numbers")
-        grid = []
-    tuned = {a for p in own for a in p.arms}
+        return [f"arms.{a}: '{o}' takes a tuned value, but the spec has no tune block" for a, o in uses]
+    problems = _no_phases(t.phases, phases, "tune.phase")
+    tuned = {a for p in study.phases if p.name in t.phases for a in p.arms}
     for a, o in uses:
         key, _, of = o.partition("=@")
-        if key != t.get("key") or of not in tuned:
-            problems.append(f"arms.{a}: '{o}': a tuned value is `{t.get('key')}=@ARM`, ARM an arm of the tune phase")
-    return Tune(tuple(map(str, names)), str(t.get("key")), tuple(map(float, grid)), t.get("step"))
+        if key != t.key or of not in tuned:
+            problems.append(f"arms.{a}: '{o}': a tuned value is `{t.key}=@ARM`, ARM an arm of the tune phase")
+    return problems
 
 
-def _beside(b, families: tuple[Family, ...], problems: list[str]) -> Beside:
-    if not isinstance(b, dict) or not all(isinstance(b.get(k), str) for k in ("family", "study", "label")):
-        problems.append("beside: each a mapping of family, study and label (and rows)")
-        return Beside("", "", "")
-    family = next((f for f in families if f.name == b["family"]), None)
-    if family is None:
-        problems.append(f"beside.family: {b['family']!r} is not a family ({', '.join(f.name for f in families)})")
-    rows = b.get("rows", [])
-    if not isinstance(rows, list) or not all(isinstance(r, int) and r >= 0 for r in rows):
-        problems.append(f"beside.rows: {rows!r}; the other study's row (from 0) beside each comparison")
-        rows = []
-    elif rows and family is not None and len(rows) != len(family.comparisons):
-        problems.append(
-            f"beside.rows: {len(rows)} rows for family {family.name}'s {len(family.comparisons)} comparisons"
-        )
-    return Beside(b["family"], b["study"], b["label"], tuple(rows))
-
-
-def _piece(p, phases: list[str], problems: list[str]) -> Piece:
-    """A piece: its name, or a mapping {name: {its arguments}}."""
-    name, args = (
-        (p, {}) if isinstance(p, str) else (next(iter(p.items())) if isinstance(p, dict) and len(p) == 1 else ("", {}))
-    )
-    if name not in PIECES or not isinstance(args, dict):
-        problems.append(
-            f"pieces: {p!r}; one of {', '.join(PIECES)}, e.g. `- reruns: {{phase: P, of: STUDY, metric: eval_loss}}`"
-        )
-        return Piece(str(name))
+def _piece_problems(piece: Piece, arms: dict | None, families: list[str] | None, phases: list[str] | None) -> list[str]:
+    """A piece's name and arguments, and the arms, families and phases they name."""
+    name, args = piece.name, piece.args
+    if name not in PIECES:
+        return [
+            f"pieces: {name!r}; one of {', '.join(PIECES)}, e.g. `- reruns: {{phase: P, of: STUDY, metric: eval_loss}}`"
+        ]
     if set(args) != set(PIECES[name]):
         wanted = ", ".join(PIECES[name]) or "none"
-        problems.append(f"pieces.{name}: arguments {', '.join(sorted(args)) or 'none'}; it takes {wanted}")
-    if "phase" in args and args["phase"] not in phases:
-        problems.append(f"pieces.{name}.phase: {args['phase']!r} is not a phase ({', '.join(phases)})")
-    return Piece(name, dict(args))
-
-
-def _slope(args: dict, arms: dict, phases: list[str], problems: list[str]) -> None:
-    """The slope piece's arms are NUM-RUNG and DEN-RUNG for each pair and rung: each must be an arm."""
-    for phase in args.get("phases") or []:
-        if phase not in phases:
-            problems.append(f"pieces.slope.phases: {phase!r} is not a phase ({', '.join(phases)})")
-    pairs = [*(args.get("primary") or []), *(args.get("secondary") or [])]
-    if not pairs or not all(isinstance(p, list) and len(p) == 2 for p in pairs):
-        problems.append("pieces.slope: primary and secondary are lists of [NUM, DEN] pairs, e.g. [[fsdp, fl_hsdp]]")
-        return
-    if not isinstance(args.get("at"), (int, float)) or args["at"] <= 0:
-        problems.append(f"pieces.slope.at: {args.get('at')!r}; the parameter count to carry each line to")
-    for rung in args.get("rungs") or []:
-        wanted = dict.fromkeys(f"{a}-{rung}" for pair in pairs for a in pair)
-        _unknown_arms(wanted, arms, "pieces.slope (ARM-RUNG)", problems)
-
-
-def _named(piece: Piece, arms: dict, families: list[str], phases: list[str], problems: list[str]) -> None:
-    """The arms, families and phases a piece's arguments name (the tiny study's pieces) must be the spec's."""
-    args = piece.args
+        return [f"pieces.{name}: arguments {', '.join(sorted(args)) or 'none'}; it takes {wanted}"]
+    problems = _no_phases([args["phase"]] if "phase" in args else [], phases, f"pieces.{name}.phase")
+    problems += _no_phases(args.get("phases") or [], phases, f"pieces.{name}.phases")
+    named = [*([args["family"]] if "family" in args else []), *(args.get("families") or [])]
+    problems += _no_family(named, families, f"pieces.{name}")
     listed = [*(args.get("pairs") or []), *(args.get("controls") or [])]
     if not all(isinstance(x, list) for x in listed):
-        problems.append(f"pieces.{piece.name}: lists of arms, e.g. [[hsdp, fsdp]]")
-        return
-    wanted = [a for x in listed for a in (x[:2] if piece.name == "drift" else x)]
-    _unknown_arms(wanted, arms, f"pieces.{piece.name}", problems)
-    for name in [*([args["family"]] if "family" in args else []), *(args.get("families") or [])]:
-        if name not in families:
-            problems.append(f"pieces.{piece.name}: {name!r} is not a family ({', '.join(families)})")
-    if piece.name in ("best_lr", "frontier"):
-        for phase in args.get("phases") or []:
-            if phase not in phases:
-                problems.append(f"pieces.{piece.name}.phases: {phase!r} is not a phase ({', '.join(phases)})")
+        return [*problems, f"pieces.{name}: lists of arms, e.g. [[hsdp, fsdp]]"]
+    problems += _no_arms([a for x in listed for a in (x[:2] if name == "drift" else x)], arms, f"pieces.{name}")
+    return problems + (_slope_problems(args, arms) if name == "slope" else [])
+
+
+def _slope_problems(args: dict, arms: dict | None) -> list[str]:
+    """The slope piece's arms are NUM-RUNG and DEN-RUNG for each pair and rung: each must be an arm."""
+    pairs = [*(args.get("primary") or []), *(args.get("secondary") or [])]
+    if not pairs or not all(isinstance(p, list) and len(p) == 2 for p in pairs):
+        return ["pieces.slope: primary and secondary are lists of [NUM, DEN] pairs, e.g. [[fsdp, fl_hsdp]]"]
+    problems = []
+    if not isinstance(args.get("at"), (int, float)) or args["at"] <= 0:
+        problems.append(f"pieces.slope.at: {args.get('at')!r}; the parameter count to carry each line to")
+    wanted = dict.fromkeys(f"{a}-{rung}" for rung in args.get("rungs") or [] for pair in pairs for a in pair)
+    return problems + _no_arms(wanted, arms, "pieces.slope (ARM-RUNG)")

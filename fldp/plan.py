@@ -227,8 +227,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def caveats(configs: dict, fitting: list[Candidate]) -> list[str]:
     """What makes the ranking on the topology's calibration profile doubtful, one sentence each:
-    the compute terms fitted to a bound (fldp.steptime.clamped), the compute drifting during the
-    calibration (steptime.drifted), and each tier whose fit is so far
+    the compute terms fitted to a bound (fldp.steptime.clamped), and each tier whose fit is so far
     off its own measurements that, were its collectives as far off, a layout's step would move by
     more than steptime.SENSITIVITY (a tier nobody's step leans on may fit poorly)."""
     conf = configs["fsdp"]
@@ -241,7 +240,6 @@ def caveats(configs: dict, fitting: list[Candidate]) -> list[str]:
         SENSITIVITY,
         TIER_TERMS,
         clamped,
-        drifted,
         efficiency_for,
         hardware_for,
         phases,
@@ -253,7 +251,7 @@ def caveats(configs: dict, fitting: list[Candidate]) -> list[str]:
         profile = yaml.safe_load(f)
     shapes, _, units = config_shapes(conf)
     work, hw, eff = workload_of(conf, shapes, units), hardware_for(conf.topology), efficiency_for(conf.topology)
-    notes, tiers = clamped(profile) + drifted(profile), profile.get("tiers") or {}
+    notes, tiers = clamped(profile), profile.get("tiers") or {}
     for name, tier in tiers.items():
         if name not in TIER_TERMS or not fitting:
             continue

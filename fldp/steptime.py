@@ -201,20 +201,6 @@ def clamped(profile: dict) -> list[str]:
     return notes
 
 
-def drifted(profile: dict) -> list[str]:
-    """The machine's speed moving during the calibration by more than SENSITIVITY (its compute is
-    measured before the tiers and after each, fldp.calibrate): each term is the median, and the
-    runs may meet any of those speeds."""
-    c = profile.get("compute") or {}
-    spread = c.get("compute_spread", 0.0)
-    if spread <= SENSITIVITY:
-        return []
-    return [
-        f"the compute, measured {c['compute_samples']} times during the calibration, moved by {spread:.0%} "
-        "(the machine's speed drifted): steps may be that far off whichever speed the runs meet"
-    ]
-
-
 def fsdp_collectives(work: Workload) -> tuple[int, int]:
     """FSDP2's collectives in a sharded step's forward (every unit gathered) and backward (each
     layer gathered and reduced, the root, held since forward, reduced)."""

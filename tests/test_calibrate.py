@@ -445,12 +445,11 @@ def test_the_calibrated_model_gives_back_the_two_steps_it_was_calibrated_on():
     assert sharded_terms({**profile, "compute": {k: v for k, v in compute.items() if "sharded" not in k}}, work) == {}
 
 
-def test_the_compute_is_the_median_of_its_measurements_and_a_drift_past_the_sensitivity_is_named():
+def test_the_compute_is_the_median_of_its_measurements_each_recorded():
     """One compute measurement carried a shared VM's passing speed into every layout of a drawn
-    setting (issue 47: 1.12-1.59x): the calibration measures it before the tiers and after each,
-    keeps each term's median, and fldp-plan names a drift of more than steptime.SENSITIVITY."""
+    setting (issue 47: 1.12-1.59x): the calibration measures it before the tiers and after each and
+    keeps each term's median, recording each measurement's step and their spread."""
     from fldp.calibrate import median_over_samples
-    from fldp.steptime import SENSITIVITY, drifted
 
     def sample(forward: float) -> dict:
         return {"whole_model": True, "tokens_per_rank": 256, "step_forward_s": forward, "step_backward_s": 0.2}
@@ -458,8 +457,5 @@ def test_the_compute_is_the_median_of_its_measurements_and_a_drift_past_the_sens
     compute = median_over_samples([sample(0.1), sample(0.3), sample(0.12)])
     assert compute["step_forward_s"] == 0.12 and compute["step_backward_s"] == 0.2 and compute["compute_samples"] == 3
     assert compute["whole_model"] is True and compute["tokens_per_rank"] == 256
+    assert compute["compute_steps_s"] == pytest.approx([0.3, 0.5, 0.32])
     assert compute["compute_spread"] == pytest.approx(0.5 / 0.3 - 1)
-    (note,) = drifted({"compute": compute})
-    assert "measured 3 times during the calibration, moved by 67%" in note
-    steady = median_over_samples([sample(0.1), sample(0.3 * (1 + 0.99 * SENSITIVITY) - 0.2)])  # steps 0.3 and ~0.33
-    assert steady["compute_spread"] == pytest.approx(0.99 * SENSITIVITY) and drifted({"compute": steady}) == []

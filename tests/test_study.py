@@ -200,7 +200,7 @@ def comparisons_of(data: dict, i: int) -> list:
         (lambda d: d["families"][1].update(comparisons=[]), "a family of zero"),
         (lambda d: d["families"][0].update(phase="judging"), "'judging' is not a phase"),
         (lambda d: d["arms"].update(fsdp=["algorithm"]), "not a Hydra override KEY=VALUE"),
-        (lambda d: d["phases"][0].update(seeds=[200, "b"]), "phases.pilot.seeds: a list of integer seeds"),
+        (lambda d: d["phases"][0].update(seeds=[200, "b"]), "phases.pilot.seeds: [200, 'b']; a list of integer seeds"),
         (lambda d: d.pop("seed_rule"), "a phase without seeds needs seed_rule"),
         (lambda d: d["phases"][0].update(overides=["x=1"]), "phases.pilot: unknown key 'overides'"),
         (lambda d: d.update(pieces=["noise"]), "pieces: 'noise'; one of noise_scale, reruns"),
