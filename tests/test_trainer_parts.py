@@ -123,7 +123,7 @@ def test_without_a_checkpointer_checkpoints_do_nothing_and_records_keep_the_summ
     records.step({"step": 2, "time_step": 0.5})
     records.log({"split": "eval"})
     assert records.train_time == 0.75 and records.last_row["step"] == 2
-    assert records.finish(None, None, None, {}, {}) is None
+    assert records.finish(None, None, None, None, {}, {}) is None
 
 
 def test_the_elastic_drill_points_are_elastic_runs_only(monkeypatch):
