@@ -91,12 +91,14 @@ class Recorder:
 
     def log(self, row: dict) -> None:
         self._append((json.dumps(row) + "\n").encode())
-        if self.wandb is not None and self.position >= self.delivered:
-            prefix = "eval" if row.get("split") == "eval" else "train"
-            fields = {f"{prefix}/{k}": v for k, v in row.items() if k not in ("step", "split")}
-            with stopping.uninterrupted():  # a stop closes the run after this row, not inside W&B's call
+        # a stop closes the run after this row, not inside W&B's call, and counts the row W&B took
+        # (counted after the block, a stop at its end left the row out: the resumed run sent it again)
+        with stopping.uninterrupted():
+            if self.wandb is not None and self.position >= self.delivered:
+                prefix = "eval" if row.get("split") == "eval" else "train"
+                fields = {f"{prefix}/{k}": v for k, v in row.items() if k not in ("step", "split")}
                 self.wandb.log({"step": row["step"], **fields}, step=row["step"])
-        self.position += 1
+            self.position += 1
         if self.bar is not None and "split" not in row:  # a step's row (not an evaluation or a heal)
             self.bar.update(1)
             self.bar.set_postfix_str(

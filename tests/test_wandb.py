@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 
-from conftest import cli
+from conftest import ROOT, cli
 from wandb_log import exit_codes, history_steps, records
 
 TINY = ["topology=local_2", "trainer.steps=2", "trainer.eval_batches=1", "trainer.progress=false", "wandb.mode=offline"]
@@ -100,6 +100,54 @@ def test_ctrl_c_keeps_the_wandb_history_and_the_resumed_run_adds_each_step_once(
     assert first_again == first
     assert history_steps(first) + history_steps(second) == list(range(1, steps + 1))
     assert exit_codes(second) == [0]
+
+
+# One segment of a run directory in a process of its own: `stop` logs steps 1-3 and is stopped
+# (SIGTERM, as the launcher stops a worker) while W&B takes step 3; `resume` continues from step 2.
+SEGMENT = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[3])
+from conftest import compose_cfg
+from fldp import stopping
+from fldp.records import Recorder
+
+class StoppedWhileSending:
+    def __init__(self, run):
+        self.run = run
+    def __getattr__(self, name):
+        return getattr(self.run, name)
+    def log(self, *args, **kwargs):
+        self.run.log(*args, **kwargs)
+        if kwargs["step"] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+signal.signal(signal.SIGTERM, stopping.on_signal)
+stop = sys.argv[2] == "stop"
+recorder = Recorder(sys.argv[1], compose_cfg("wandb.mode=offline"), 4, progress=False, resume_from=0 if stop else 2)
+if stop:
+    recorder.wandb = StoppedWhileSending(recorder.wandb)
+for step in range(1 if stop else 3, 5):
+    recorder.log({"step": step, "loss": 1.0, "time_step": 0.1})
+recorder.finish({"steps": 4})
+"""
+
+
+def test_a_stop_while_wandb_takes_a_row_counts_that_row_as_delivered(tmp_path):
+    """The stop waits for W&B's call, then closes the run: the count of rows W&B holds must include
+    the row it just took, or the resumed segment sends it again (a fresh-clone CI saw step 15 twice
+    when Ctrl-C landed there)."""
+    tests = str(ROOT / "tests")
+    stopped = subprocess.run(
+        [sys.executable, "-c", SEGMENT, str(tmp_path), "stop", tests], capture_output=True, text=True
+    )
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    assert (tmp_path / "wandb_rows").read_text().strip() == "3"
+    resumed = subprocess.run(
+        [sys.executable, "-c", SEGMENT, str(tmp_path), "resume", tests], capture_output=True, text=True
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    first, second = logs(tmp_path)
+    assert (history_steps(first), history_steps(second)) == ([1, 2, 3], [4])
 
 
 def test_wandb_names_are_short_and_the_overrides_are_in_the_config(tmp_path):
