@@ -46,6 +46,7 @@ from fldp.cost import model_units, predict_for  # noqa: E402
 from fldp.data import RankBatches, prepare  # noqa: E402
 from fldp.mesh import mesh_shape  # noqa: E402
 from fldp.model import DTYPES, build_model, llama_config  # noqa: E402
+from fldp.validation import check_netns  # noqa: E402
 
 EVERY, STEPS, WINDOW = 8, 17, range(2, 17)
 PERIODS = len(WINDOW) / EVERY
@@ -164,7 +165,7 @@ def main() -> None:
     args = ap.parse_args()
     start = time.monotonic()
     cfg0 = compose_cfg(*LAYOUT, "seed=0")
-    netns.check(load(cfg0), forks_locally=True)
+    check_netns(load(cfg0), forks_locally=True)
     blocks = prepare(cfg0.dataset)
     import torchft.local_sgd  # noqa: F401
 

@@ -43,6 +43,7 @@ from fldp.data import prepare  # noqa: E402
 from fldp.launch import run_local  # noqa: E402
 from fldp.mesh import mesh_shape  # noqa: E402
 from fldp.records import PHASES  # noqa: E402
+from fldp.validation import check_netns  # noqa: E402
 
 NAMES = {"fsdp": "FSDP", "hsdp": "HSDP", "fl_fsdp": "FL+FSDP", "fl_hsdp": "FL+HSDP"}
 
@@ -154,7 +155,7 @@ def main() -> None:
         *args.overrides,
     ]
     cfg0 = compose_cfg(*common)
-    netns.check(load(cfg0), forks_locally=True)
+    check_netns(load(cfg0), forks_locally=True)
     samples = paired_samples(cfg0, common, algorithms, args.repeats)
     rows = {a: row(compose_cfg(f"algorithm={a}", *common), samples[a]) for a in algorithms}
     link = cfg0.topology.network[-1]

@@ -42,7 +42,6 @@ sys.path.insert(0, str(ROOT / "experiments"))
 
 from bench_netns import compose_cfg, run, write_results  # noqa: E402
 
-from fldp import netns  # noqa: E402
 from fldp.config import load  # noqa: E402
 from fldp.cost import leads  # noqa: E402
 from fldp.data import prepare  # noqa: E402
@@ -50,6 +49,7 @@ from fldp.mesh import mesh_shape  # noqa: E402
 from fldp.plan import BY_DIMS, layouts  # noqa: E402
 from fldp.schedule import aggregation_steps  # noqa: E402
 from fldp.steptime import MEASURED, hardware_for, phases, workload_for  # noqa: E402
+from fldp.validation import check_netns  # noqa: E402
 
 QUIET = ["wandb.mode=disabled", "trainer.progress=false", "trainer.eval_batches=1"]
 SIZES = "[65536,262144,1048576]"  # up to 1 MiB: at 50 Mbit/s the shared tier's all-reduce takes ~1 s
@@ -129,7 +129,7 @@ def measure(setting: list[str], everies: list[int], profile: Path, args, tmp: Pa
     up to `max_repeats`, where its interval is wider than +-half_width)."""
     common = [*setting, f"+topology.profile={profile}", f"trainer.steps={args.steps}", *QUIET, *args.overrides]
     cfgs = [compose_cfg(*common, *p) for p in points(setting, everies, set(args.layouts))]
-    netns.check(load(cfgs[0]), forks_locally=True)
+    check_netns(load(cfgs[0]), forks_locally=True)
     blocks = prepare(cfgs[0].dataset)
     import fldp.trainer  # noqa: F401  (once here, not in every forked worker)
 

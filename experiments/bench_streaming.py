@@ -48,10 +48,10 @@ sys.path.insert(0, str(ROOT))
 from bench_netns import compose_cfg, fork, write_results  # noqa: E402  (this script's folder is on sys.path)
 
 from analysis.stats import TIE_HIGH, TIE_LOW, paired_ratio  # noqa: E402
-from fldp import netns  # noqa: E402
 from fldp.config import load  # noqa: E402
 from fldp.cost import config_model, predict_for  # noqa: E402
 from fldp.data import prepare  # noqa: E402
+from fldp.validation import check_netns  # noqa: E402
 
 EVERY, STEPS, WINDOW = 8, 17, range(2, 17)  # WINDOW: two whole periods
 PERIODS = len(WINDOW) / EVERY
@@ -129,7 +129,7 @@ def main() -> None:
         ap.error(f"--variants: plain and any of {', '.join(VARIANTS)}; --algorithms: any of {', '.join(ALGORITHMS)}")
     start = time.monotonic()
     cfg0 = compose_cfg(*overrides(algorithms[0], "plain", 0, args.overrides))
-    netns.check(load(cfg0), forks_locally=True)
+    check_netns(load(cfg0), forks_locally=True)
     blocks = prepare(cfg0.dataset)
     import fldp.trainer  # noqa: F401  (once here, not in every forked worker)
 

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from .buckets import Bucket, bucket_indices  # noqa: F401  (fldp.cost uses bucket_indices)
 from .config import AlgorithmConfig, FedAvgSection, default_of, section_of
-from .mesh import ConfigError, MeshShape
+from .mesh import MeshShape
 from .outer import OUTER_DEFAULTS, OuterConfig, OuterState  # noqa: F401  (OUTER_DEFAULTS: for its users)
 from .quantize import codec_of
 from .schedule import aggregation_steps, schedule_of
@@ -61,7 +61,7 @@ def federated_mask(patterns, names: list[str]) -> list[bool]:
     """Which parameters are averaged (any full match); a pattern that matches no name is a config error."""
     for pattern in patterns:
         if not any(re.fullmatch(pattern, n) for n in names):
-            raise ConfigError(
+            raise ValueError(
                 f"algorithm.federate: {pattern!r} matches no parameter name "
                 f"(names look like {names[0]!r}, {names[-1]!r})"
             )
@@ -131,12 +131,12 @@ class FedAvgConfig:
         if alg.aggregation is None:
             return None
         if alg.aggregation != "fedavg" or "federation" not in (alg.dims or []):
-            raise ConfigError(
+            raise ValueError(
                 f"algorithm.aggregation={alg.aggregation!r}: must be null, or fedavg for an algorithm with a "
                 f"federation dimension (algorithm.dims={list(alg.dims or [])})"
             )
         if alg.every is None:
-            raise ConfigError(
+            raise ValueError(
                 "algorithm.aggregation=fedavg needs algorithm.every (an integer A >= 1, or a schedule "
                 "[[0, A0], [step1, A1], ...]); it is null"
             )

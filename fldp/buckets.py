@@ -16,7 +16,6 @@ from typing import cast
 
 import torch
 
-from .errors import ConfigError
 from .outer import OuterState
 
 
@@ -174,7 +173,7 @@ class Bucket:
                 for j, piece in enumerate(pieces):
                     t[self.offsets[j] : self.offsets[j + 1]].copy_(piece)
             elif any(not torch.equal(p, pieces[0]) for p in pieces):
-                raise ConfigError(
+                raise ValueError(
                     f"trainer.resume: the saved {kind} of {self.names[0]} and {self.names[-1]} differ, "
                     "and this run keeps them in one bucket (algorithm.fedavg.bucket_mb, algorithm.streaming)"
                 )

@@ -121,16 +121,16 @@ def compose(overrides: list[str]) -> Config:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from . import CONF, netns
-    from .config import load
-    from .schema import check
+    from . import CONF
     from .slurm import submits
+    from .validation import check_launch, check_slurm, checked
 
     with initialize_config_dir(str(CONF), version_base="1.3"):
         cfg = hydra_compose("config", overrides=overrides)
-    check(cfg)
-    conf = load(cfg)
-    netns.check(conf, forks_locally=not submits(conf.cluster))
+    conf = checked(cfg)
+    check_launch(conf, forks_locally=not submits(conf.cluster))
+    if submits(conf.cluster):
+        check_slurm(conf)
     return conf
 
 
@@ -611,6 +611,7 @@ def _slurm_task(conf: Config, run_dir: str, settings: Settings, out: str) -> Non
 def _submit(conf: Config, settings: Settings, out: str) -> bool:
     """One job of topology.nodes x procs_per_node tasks, as fldp-train submits a run (fldp.slurm)."""
     from .mesh import MeshShape
+    from .preflight import no_slurm
     from .slurm import follow, job_folder_of, job_parameters, sbatch_script, submit_job
 
     shape = MeshShape(1, 1, conf.topology.nodes * conf.topology.procs_per_node)
@@ -625,6 +626,8 @@ def _submit(conf: Config, settings: Settings, out: str) -> bool:
         script = sbatch_script(job_parameters(conf, shape), job_folder_of(conf.cluster, run_dir))
         print(f"fldp-calibrate: dry run (cluster={conf.cluster.name}): nothing submitted\n{script}")
         return False
+    if missing := no_slurm(conf):
+        raise ConfigError(missing[0])
     task = functools.partial(_slurm_task, settings=settings, out=str(Path(out).absolute()))
     job = submit_job(conf, run_dir, shape, task)
     follow(job, run_dir, conf.cluster.poll_s)

@@ -72,7 +72,7 @@ def _compiles(v) -> bool:
 def _schedule(v) -> bool:
     try:
         schedule_of(v)
-    except ConfigError:
+    except ValueError:
         return False
     return True
 

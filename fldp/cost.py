@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .aggregation import REDUCE_DTYPES, bucket_indices, federated_mask
-from .config import Config, default_of, load
+from .config import Config, default_of
 from .memory import for_config
 from .mesh import DIMS, MeshShape, shard_piece
 from .quantize import Quantizer, codec_of
@@ -745,20 +745,13 @@ def _output_format(argv: list[str]) -> str:
     return chosen[0].lstrip("-") if chosen else "table"
 
 
-def checked(cfg) -> Config:
-    """The composed config, checked as fldp-train checks it, typed."""
-    from .schema import check
-
-    check(cfg)
-    return load(cfg)
-
-
 def main() -> None:
     import json
 
     import hydra
 
     from .errors import parsed_or_exit
+    from .validation import checked
 
     output = _output_format(sys.argv)
     # a calculation, not a run: no output directory, no log file

@@ -40,10 +40,9 @@ from urllib.parse import urlsplit
 import torch
 
 from . import faults
-from .config import ClusterConfig, Config, load, section_of
-from .errors import ConfigError, Interrupted, NoPeerToHealFrom, WorkerError
+from .config import ClusterConfig, load, section_of
+from .errors import Interrupted, NoPeerToHealFrom, WorkerError
 from .roster import FAILED, Roster, answer, serve
-from .streaming import StreamingConfig
 
 # A group whose manager has not been heard from for this long is dead to the lighthouse: the
 # survivors' next aggregation waits at most this long for a group that just died.
@@ -58,58 +57,6 @@ class Member:
     restart: int  # 0: the group's first incarnation
     lighthouse: str  # the lighthouse's address
     roster: str  # the roll call's store, host:port (fldp.roster)
-
-
-def check(conf: Config) -> None:
-    """Elastic federation's preconditions, before any worker starts."""
-    algorithm = conf.algorithm
-    if not algorithm.elastic:
-        return
-    if algorithm.aggregation != "fedavg":
-        raise ConfigError(
-            f"algorithm.elastic=true: algorithm={algorithm.name} has no federation "
-            "dimension to be elastic in (fl_fsdp, fl_hsdp, diloco_hsdp have)"
-        )
-    if conf.cluster.name == "simulate":
-        raise ConfigError(
-            "algorithm.elastic=true on cluster=simulate: the simulator runs every group in one "
-            "process, with nothing to fail apart"
-        )
-    if conf.topology.device != "cpu":
-        raise ConfigError(
-            f"algorithm.elastic=true on topology.device={conf.topology.device}: only gloo (cpu) is supported so far"
-        )
-    federate = list(algorithm.federate or [".*"])
-    if federate != [".*"]:
-        raise ConfigError(
-            f"algorithm.elastic=true with algorithm.federate={federate}: a healed group's "
-            "parameters kept local would be copied from several peers, rank by rank; partial "
-            "federation is not elastic yet"
-        )
-    streaming = StreamingConfig.from_algorithm(algorithm)
-    if streaming.fragments != 1 or streaming.exchanges:
-        raise ConfigError(
-            f"algorithm.elastic=true with algorithm.streaming.fragments={streaming.fragments}, "
-            f"overlap={streaming.overlap}, alpha={streaming.alpha}: a restarted group heals at a "
-            "whole-model aggregation taken as it is; streaming is not elastic yet"
-        )
-    quantize = algorithm.outer.quantize
-    if quantize:
-        raise ConfigError(
-            f"algorithm.elastic=true with algorithm.outer.quantize={quantize}: the elastic "
-            "aggregation is torchft's all-reduce over the groups alive; a quantised one is not built yet"
-        )
-    if conf.trainer.checkpoint_every or conf.trainer.resume:
-        raise ConfigError(
-            f"algorithm.elastic=true with trainer.checkpoint_every={conf.trainer.checkpoint_every}, "
-            f"trainer.resume={conf.trainer.resume}: a failed group heals from a live peer; "
-            "checkpoints of elastic runs are not built yet"
-        )
-    if conf.comm.emulate:
-        raise ConfigError(
-            "algorithm.elastic=true with comm.emulate=true: the sleeps stand for the static "
-            "collectives only; emulate the network with a netns topology (e.g. topology=netns_4x2)"
-        )
 
 
 class Federation:
@@ -394,9 +341,7 @@ def run_local(fn, args: tuple, shape, cluster_cfg, run_dir: str, network=None) -
             p.start()
         group.cause = lambda: _first_report(errors)
 
-    if network is None:
-        launch.check_listenable(cluster_cfg.master_addr)
-    else:
+    if network is not None:  # else cluster.master_addr, checked (fldp.validation.check_launch)
         network.create()
     try:
         _supervise(start, shape, cluster_cfg, run_dir, network)

@@ -44,7 +44,7 @@ def evaluate(
         torch.cuda.synchronize()
     rows = all_ranks([sum(losses), len(losses), time.perf_counter() - start], device).view(groups, size, 3)
     counts = rows[..., 1].sum(dim=1)
-    if (counts == 0).any():  # the rule is fldp.train.check_blocks', checked before any worker starts
+    if (counts == 0).any():  # the rule is fldp.validation.check_blocks', checked before any worker starts
         raise RuntimeError(f"{len(blocks.eval)} held-out blocks: not one batch per rank (check_blocks)")
     return (rows[..., 0].sum(dim=1) / counts).tolist(), rows[..., 2].max().item()
 

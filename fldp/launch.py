@@ -9,7 +9,6 @@ import gc
 import os
 import re
 import signal
-import socket
 import sys
 import threading
 import time
@@ -85,15 +84,6 @@ def init_process_group(env: RankEnv, device_type: str, timeout_s: float, store=N
     meet = {"store": store} if store is not None else {"init_method": f"tcp://{env.master_addr}:{env.master_port}"}
     dist.init_process_group(backend, rank=env.rank, world_size=env.world, timeout=timedelta(seconds=timeout_s), **meet)
     return device
-
-
-def check_listenable(addr: str) -> None:
-    """ConfigError, before any worker starts, when this machine cannot listen at `addr`."""
-    with socket.socket() as s:
-        try:
-            s.bind((addr, 0))
-        except (OSError, TypeError, OverflowError) as e:  # a name that does not resolve, an address not here
-            raise ConfigError(f"cluster.master_addr={addr!r}: cannot listen there ({e})") from None
 
 
 class RankZeroPort:
@@ -254,9 +244,8 @@ def _rendezvous_of(cluster_cfg, network, ctx, world: int) -> tuple[str, int | Ra
     own: its port is free), else cluster.master_addr; cluster.master_port, or rank 0's choice."""
     if network is not None:
         return network.master_addr, cluster_cfg.master_port or network.port
-    addr = cluster_cfg.master_addr
-    check_listenable(addr)
-    return addr, cluster_cfg.master_port or RankZeroPort(ctx, world)
+    # fldp.validation.check_launch has checked that this machine can listen at cluster.master_addr
+    return cluster_cfg.master_addr, cluster_cfg.master_port or RankZeroPort(ctx, world)
 
 
 def _raise_first_failure(failures: list, deaths: list) -> None:

@@ -68,66 +68,10 @@ def enabled(topology: TopologyConfig) -> bool:
 
 
 def link_of(topology: TopologyConfig) -> Link:
-    """The inter-node tier of a netns topology (the outermost tier of `topology.network`), checked:
-    every error names its key."""
-    network = topology.network or []
-    if len(network) < 2:
-        raise ConfigError(
-            f"topology.network (topology={topology.name}): emulation=netns needs two tiers, "
-            "the node (namespace loopback) and the inter-node link"
-        )
-    i = len(network) - 1
-    tier = network[i]
-    key = f"topology.network[{i}]"
-    for field, value, ok in (
-        ("gbit_s", tier.get("gbit_s"), lambda v: v > 0),
-        ("delay_ms", tier.get("delay_ms", 0), lambda v: v >= 0),
-    ):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
-            raise ConfigError(f"{key}.{field}={value!r}: must be a number {'> 0' if field == 'gbit_s' else '>= 0'}")
-    if tier.get("link") != "node":
-        raise ConfigError(
-            f"{key}.link={tier.get('link')!r}: must be 'node' with topology.emulation=netns "
-            "(the rate is each node's link, shared by its ranks)"
-        )
+    """The inter-node tier of a netns topology: the outermost tier of `topology.network`, whose keys
+    fldp.validation.check_link has checked."""
+    tier = topology.network[-1]
     return Link(tier["gbit_s"] * 1e3, float(tier.get("delay_ms", 0)))
-
-
-def check(conf: Config, forks_locally: bool) -> Link | None:
-    """Validation before any worker starts: the topology's link, and whether this machine can
-    build it (root, iproute2). None for topologies without emulated nodes."""
-    topology = conf.topology
-    if not enabled(topology):
-        return None
-    link = link_of(topology)
-    name = f"topology={topology.name} (emulation=netns)"
-    if not forks_locally:
-        raise ConfigError(
-            f"{name}: the emulated nodes exist only for workers this launcher forks "
-            "(cluster=local, not under torchrun or srun)"
-        )
-    if topology.device != "cpu":
-        raise ConfigError(f"topology.device={topology.device!r}: {name} runs gloo on cpu")
-    if conf.comm.emulate:
-        raise ConfigError(f"comm.emulate=true: {name} already has a real capped link; the sleeps would count it twice")
-    if topology.nodes < 2 or topology.nodes > 250:
-        raise ConfigError(f"topology.nodes={topology.nodes}: {name} needs 2 to 250 nodes")
-    missing_tools(name)
-    return link
-
-
-def missing_tools(name: str) -> None:
-    """Root and iproute2's `ip` and `tc`, or a ConfigError saying which is missing."""
-    if os.geteuid() != 0:
-        raise ConfigError(
-            f"{name} needs root to create network namespaces (running as uid {os.geteuid()}); "
-            "use a topology without emulation (e.g. topology=local_8)"
-        )
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            raise ConfigError(
-                f"{name} needs the `{tool}` command (Debian: apt-get install iproute2), not found on PATH"
-            )
 
 
 def _pid_namespace() -> int:

@@ -68,8 +68,7 @@ def compose(overrides: list[str]) -> dict[str, Config]:
     from hydra import initialize_config_dir
 
     from . import CONF
-    from .config import load
-    from .schema import check
+    from .validation import checked
 
     common = [o for o in overrides if not o.lstrip("+~").startswith("algorithm")]
     federated = [o for o in overrides if o.lstrip("+~").startswith("algorithm.")]
@@ -78,8 +77,7 @@ def compose(overrides: list[str]) -> dict[str, Config]:
         for name in BY_DIMS.values():
             extra = federated if name.startswith("fl_") else []
             cfg = hydra_compose("config", overrides=[f"algorithm={name}", *common, *extra])
-            check(cfg)
-            out[name] = load(cfg)
+            out[name] = checked(cfg)
     return out
 
 

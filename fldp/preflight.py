@@ -20,8 +20,6 @@ import shlex
 import shutil
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 from .data import (
     StaleCache,
     cache_entry,
@@ -117,10 +115,8 @@ def no_slurm(cfg) -> list[str]:
 
 
 def node_local_dirs(cluster) -> list[Path]:
-    dirs = cluster.get("node_local_dirs")
-    if not OmegaConf.is_list(dirs) or not all(isinstance(x, str) for x in dirs):
-        raise ConfigError(f"cluster.node_local_dirs={dirs}: must be a list of directories, e.g. [/tmp]")
-    return [Path(x).resolve() for x in dirs]
+    """cluster.node_local_dirs, a list of directories (fldp.schema has checked it)."""
+    return [Path(x).resolve() for x in cluster.get("node_local_dirs") or []]
 
 
 def _node_local(cfg, run_dir: str) -> list[str]:

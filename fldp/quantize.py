@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 
 from .config import OuterConfig
-from .errors import ConfigError
 
 KINDS = {"int8": (8, 127.0), "int4": (4, 7.0), "fp8": (8, 448.0)}  # bits, the largest magnitude
 
@@ -43,9 +42,9 @@ class Quantizer:
 
     def __post_init__(self):
         if self.kind not in KINDS:
-            raise ConfigError(f"algorithm.outer.quantize={self.kind!r}: must be null or one of {', '.join(KINDS)}")
+            raise ValueError(f"algorithm.outer.quantize={self.kind!r}: must be null or one of {', '.join(KINDS)}")
         if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 2 or self.block % 2:
-            raise ConfigError(
+            raise ValueError(
                 f"algorithm.outer.quantize_block={self.block!r}: must be an even integer >= 2 "
                 "(elements per scale; int4 packs two per byte)"
             )

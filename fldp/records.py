@@ -19,7 +19,7 @@ from typing import cast
 from omegaconf import OmegaConf
 
 from . import stopping
-from .errors import ConfigError, WriteError
+from .errors import WriteError
 from .provenance import run_fields
 
 # The metric field names, defined once: the trainer writes them, analysis/ reads them.
@@ -227,26 +227,6 @@ def run_overrides(run_dir: Path) -> list[str] | None:
         if path.is_file():
             return list(OmegaConf.load(path))
     return None
-
-
-def check_wandb_login(cfg) -> None:
-    """wandb.mode=online needs a key before any worker starts: W&B would otherwise ask for one on
-    standard input, which neither CI nor a compute node has."""
-    if cfg.wandb.mode != "online" or os.environ.get("WANDB_API_KEY"):
-        return
-    import netrc
-    from urllib.parse import urlparse
-
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or ""
-    try:
-        known = netrc.netrc().authenticators(host) is not None
-    except (OSError, netrc.NetrcParseError):
-        known = False
-    if not known:
-        raise ConfigError(
-            f"wandb.mode=online: no W&B API key for {host} (set WANDB_API_KEY, or run `wandb login` "
-            f"once); or use wandb.mode=offline and `wandb sync` later"
-        )
 
 
 def public_config(cfg) -> dict:

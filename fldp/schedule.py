@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import functools
 
-from .errors import ConfigError
-
 
 def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
@@ -28,7 +26,7 @@ def schedule_of(every) -> tuple[tuple[int, int], ...]:
     except (TypeError, ValueError, IndexError):
         valid = False
     if not valid:
-        raise ConfigError(
+        raise ValueError(
             f"algorithm.every={every!r}: must be an integer A >= 1, or a schedule "
             f"[[0, A0], [step1, A1], ...] of increasing steps from 0 and periods >= 1"
         )

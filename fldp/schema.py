@@ -1,6 +1,6 @@
 """The schema of the composed config: every key of every config group, its type and range or choices.
 
-`check(cfg)` runs first in `fldp.train.validate`, before any worker starts or any job is submitted.
+`check(cfg)` runs first in `fldp.validation.validate`, before any worker starts or any job is submitted.
 It resolves every interpolation (`${oc.env:...}`, `${topology...}`) and refuses, naming the key, the
 value and what would be valid:
 - a key the schema does not know, also one added with `+` (`+trainer.step=4`), with the nearest

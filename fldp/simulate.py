@@ -201,7 +201,7 @@ class Simulation:
             if trainer.eval_batches is not None and i >= trainer.eval_batches:
                 break
             out.append(x.flatten(0, 1))
-        if not out:  # the rule is fldp.train.check_blocks', checked before the simulation starts
+        if not out:  # the rule is fldp.validation.check_blocks', checked before the simulation starts
             raise RuntimeError(f"{len(self.blocks.eval)} held-out blocks: not one batch per rank (check_blocks)")
         return torch.cat(out).to(self.device)
 

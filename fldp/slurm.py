@@ -26,7 +26,7 @@ from typing import cast
 from omegaconf import OmegaConf
 
 from .config import ClusterConfig, Config, load
-from .errors import ConfigError, WorkerError
+from .errors import WorkerError
 from .mesh import MeshShape
 from .schedule import schedule_text
 from .setting import differences, paper_config
@@ -180,18 +180,7 @@ def _unless_from_env(value, variable: str):
 
 def job_parameters(conf: Config, shape: MeshShape) -> dict:
     """submitit.SlurmExecutor parameters of the one job that runs the config."""
-    c, t = conf.cluster, conf.topology
-    if t.device == "cuda":
-        if c.gpus_per_node is None:
-            raise ConfigError(
-                f"cluster.gpus_per_node=null but topology={t.name} runs on cuda: set it to "
-                f"topology.procs_per_node={t.procs_per_node} (one rank per GPU)"
-            )
-        if c.gpus_per_node != t.procs_per_node:
-            raise ConfigError(
-                f"cluster.gpus_per_node={c.gpus_per_node} but topology.procs_per_node="
-                f"{t.procs_per_node}: fldp runs one rank per GPU"
-            )
+    c, t = conf.cluster, conf.topology  # checked: fldp.validation.check_slurm
     params = {
         "job_name": f"fldp-{conf.algorithm.name}-{t.name}",
         "nodes": t.nodes,
@@ -221,12 +210,7 @@ def job_folder_of(cluster: ClusterConfig, run_dir: str) -> Path:
     it, so a log in a run directory whose path holds one (a sweep point named by a value with a
     '/', escaped '%2F') could not be opened and the job would fail at launch: such a run's jobs go
     to slurm-jobs/ in the nearest directory above it without a '%' (the sweep's), apart by job id."""
-    if cluster.folder:
-        if "%" in str(cluster.folder):
-            raise ConfigError(
-                f"cluster.folder={cluster.folder}: sbatch reads '%' in a log path as a "
-                "file-name pattern; choose a folder without one"
-            )
+    if cluster.folder:  # without a '%' (fldp.validation.check_slurm)
         return Path(cluster.folder).absolute() / "%j"
     run = Path(run_dir).absolute()
     if "%" not in str(run):
@@ -340,8 +324,8 @@ def submit(cfg, run_dir: str, shape: MeshShape, run, sweep_point: bool = False) 
 
     conf = load(cfg)
     params = job_parameters(conf, shape)
-    found = preflight.problems(cfg, run_dir)  # what the job would find out only after its wait in the queue
     if conf.cluster.dry_run:
+        found = preflight.problems(cfg, run_dir)  # what the job would find out only after its wait in the queue
         print(
             f"fldp: dry run (cluster={conf.cluster.name}): nothing submitted\n{describe(cfg, shape, params)}\n"
             f"records: {Path(run_dir).absolute()}\n--- sbatch script ---\n"
@@ -351,8 +335,7 @@ def submit(cfg, run_dir: str, shape: MeshShape, run, sweep_point: bool = False) 
             flush=True,
         )
         return None
-    if found := [*preflight.no_slurm(cfg), *found]:
-        raise ConfigError(f"nothing submitted; {preflight.report(found)}")
+    # here sbatch is, and the job's nodes can run it: fldp.validation.check_submission has said so
     job = submit_job(cfg, run_dir, shape, functools.partial(run_rank, run=run))
     if conf.cluster.wait and sweep_point:
         _submitted.append((job, run_dir, conf.cluster.poll_s))
@@ -423,10 +406,6 @@ def _detach_file_logs() -> None:
 
 def submit_job(cfg, run_dir: str, shape: MeshShape, fn):
     """sbatch the job that runs fn(cfg, run_dir) on every task; the submitit Job."""
-    from . import preflight
-
-    if missing := preflight.no_slurm(cfg):
-        raise ConfigError(missing[0])
     import submitit
 
     conf = load(cfg)

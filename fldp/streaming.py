@@ -32,7 +32,6 @@ import dataclasses
 from dataclasses import dataclass
 
 from .config import AlgorithmConfig, StreamingSettings, section_of
-from .errors import ConfigError
 from .model import fsdp_unit
 
 
@@ -82,18 +81,18 @@ class StreamingConfig(StreamingSettings):
             what = (
                 f"fragments={self.fragments}" if self.fragments > 1 else f"overlap={self.overlap}, alpha={self.alpha}"
             )
-            raise ConfigError(
+            raise ValueError(
                 f"algorithm.streaming.{what} with a schedule algorithm.every="
                 f"{[list(p) for p in schedule]}: streaming needs one period A (not built yet)"
             )
         every = schedule[0][1]
         if every % self.fragments:
-            raise ConfigError(
+            raise ValueError(
                 f"algorithm.streaming.fragments={self.fragments} must divide algorithm.every={every}: "
                 "each fragment aggregates every A steps, A / P steps after the one before"
             )
         if self.overlap >= every // self.fragments:
-            raise ConfigError(
+            raise ValueError(
                 f"algorithm.streaming.overlap={self.overlap} must be less than algorithm.every / "
                 f"fragments = {every // self.fragments}: a fragment's all-reduce must end before the "
                 "next fragment's starts"
@@ -131,7 +130,7 @@ class StreamingConfig(StreamingSettings):
         present = sorted(set(units))
         count = len(present)
         if self.fragments > count:
-            raise ConfigError(
+            raise ValueError(
                 f"algorithm.streaming.fragments={self.fragments}: the federated parameters lie in "
                 f"{_units_named(present)}; a fragment is a set of these units, so at most {count} "
                 f"fragment{'s' * (count != 1)} (fewer fragments, or a wider algorithm.federate)"

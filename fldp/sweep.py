@@ -62,7 +62,7 @@ def skips(run_dir: str | Path, multirun: bool, skip_finished) -> bool:
 
 def refused(run_dir: str | Path, resume) -> bool:
     """A run directory holding records or checkpoints that this run would not continue
-    (fldp.train.check_run_dir refuses it, naming trainer.resume=auto). Checkpoints count alone: a
+    (fldp.validation.check_run_dir refuses it, naming trainer.resume=auto). Checkpoints count alone: a
     fresh run beside another's would later resume from that one's newest, of another timeline."""
     path = Path(run_dir)
     held = (path / "metrics.jsonl").exists() or any((path / "checkpoints").glob("step_*"))

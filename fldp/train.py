@@ -1,7 +1,8 @@
 """`python -m fldp.train [overrides]`: one experiment.
 
-Everything that can be checked is checked here, before any worker starts: the mesh against the
-algorithm and topology, the trainer and optimiser settings, the data and tokenizer paths.
+Everything that can be checked is checked before any worker starts (fldp.validation, called
+here): the mesh against the algorithm and topology, the trainer and optimiser settings, the data
+and tokenizer paths.
 
 torch and what imports it (launch, aggregation, checkpoint, data) are imported by the
 functions that need them, not at the top: `--help`, `--cfg job` and shell completion need none of
@@ -31,161 +32,19 @@ from omegaconf.errors import OmegaConfBaseException
 from . import CONF, netns, schema, slurm, sweep
 from .config import Config, load
 from .errors import ConfigError, Interrupted, WorkerError, WriteError
-from .mesh import mesh_shape
 from .provenance import record_command, version_line
-from .records import check_wandb_login
+from .validation import (
+    check_blocks,
+    check_not_another_run,
+    check_run_dir,
+    check_submission,
+    check_vocab,
+    check_wandb_login,
+    validate,
+)
 
 log = logging.getLogger("fldp")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are forked after tokenising
-
-
-def validate(cfg: DictConfig):
-    """Fail fast on a config that cannot work; returns the mesh shape. First the schema (every key
-    known, typed and in range: fldp.schema) and the mesh, before torch is imported (seconds of a
-    refusal's time otherwise); then what needs torch (the model's parameters, the devices)."""
-    schema.check(cfg)
-    shape = mesh_shape(cfg)  # composed: its errors name where the mesh came from
-    check_with_torch(cfg, load(cfg))
-    return shape
-
-
-def check_with_torch(cfg: DictConfig, conf: Config) -> None:
-    """What ties the groups together and needs torch: the algorithm's patterns and fragments against
-    the model's parameters, elastic federation, the devices, the emulated network."""
-    import torch
-
-    from . import launch
-    from .aggregation import FedAvgConfig
-
-    federation = FedAvgConfig.from_algorithm(conf.algorithm)
-    # every pattern must name a parameter; the model must have a unit for every streaming fragment
-    if federation is not None and (federation.federate != (".*",) or federation.streaming.fragments > 1):
-        from .model import build_model, llama_config
-
-        model = build_model(llama_config(conf.model, conf.model.vocab_size or 8), "meta")
-        names = [name for name, _ in model.named_parameters()]
-        federation.streaming.fragment_of([n for n, keep in zip(names, federation.federated(names)) if keep])
-    if federation is not None and federation.streaming.overlap and conf.comm.emulate:
-        raise ConfigError(
-            f"algorithm.streaming.overlap={federation.streaming.overlap} with comm.emulate=true: the "
-            "emulation sleeps as each collective is called, so it cannot show an all-reduce in "
-            "flight behind training; emulate the network with a netns topology (e.g. topology=netns_4x2)"
-        )
-    from . import elastic
-
-    elastic.check(conf)
-    if conf.cluster.name == "simulate":  # no ranks, no network: the topology gives only the mesh
-        check_simulation(conf)
-        return
-    if conf.topology.device == "cuda" and not slurm.submits(conf.cluster) and not torch.cuda.is_available():
-        raise ConfigError(
-            f"topology.device=cuda (topology={conf.topology.name}): no CUDA device here, where "
-            f"cluster={conf.cluster.name}, cluster.launcher={conf.cluster.launcher} runs the workers"
-        )
-    # emulated nodes: the link's keys, root, `ip` and `tc`
-    netns.check(conf, forks_locally=launch.from_environment() is None and not slurm.submits(conf.cluster))
-
-
-def check_simulation(conf: Config) -> None:
-    """What cluster=simulate (fldp/simulate.py) cannot do."""
-    import torch
-
-    trainer = conf.trainer
-    if trainer.checkpoint_every or trainer.resume:
-        raise ConfigError(
-            f"trainer.checkpoint_every={trainer.checkpoint_every}, trainer.resume="
-            f"{trainer.resume}: cluster=simulate keeps no checkpoints (a simulated run is "
-            "short enough to run again)"
-        )
-    if conf.comm.emulate:
-        raise ConfigError("comm.emulate=true: cluster=simulate sends nothing to emulate")
-    reduce_dtype = conf.fsdp.reduce_dtype
-    if reduce_dtype not in (None, trainer.precision) and conf.cluster.reductions != "ring":
-        raise ConfigError(
-            f"fsdp.reduce_dtype={reduce_dtype}: cluster.reductions=once computes each group's gradient "
-            "from its whole batch, with no reduction to cast; use cluster.reductions=ring"
-        )
-    if conf.cluster.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("cluster.device=cuda: no CUDA device here")
-
-
-def check_run_dir(conf: Config, shape, run_dir: str) -> None:
-    """Writable, and not holding another run's records unless this run resumes it."""
-    from .aggregation import FedAvgConfig
-    from .checkpoint import check_mesh, check_schedule, latest
-
-    path = Path(run_dir)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".fldp-write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(f"hydra.run.dir={run_dir}: not writable ({e.strerror})") from e
-    check_not_another_run(conf.trainer.resume, run_dir)
-    saved = latest(path) if conf.trainer.resume == "auto" else None
-    if saved is not None:
-        check_mesh(saved, shape)
-        federation = FedAvgConfig.from_algorithm(conf.algorithm)
-        check_schedule(
-            saved,
-            federation.schedule if federation else None,
-            federation.streaming.fragments if federation else 1,
-            federation,
-        )
-
-
-def check_not_another_run(resume: str | None, run_dir: str) -> None:
-    """trainer.resume: a directory holding a run is refused unless the run resumes it."""
-    if sweep.refused(run_dir, resume):
-        raise ConfigError(
-            f"hydra.run.dir={run_dir} already holds a run's metrics.jsonl or checkpoints/: "
-            f"continue it with trainer.resume=auto, or choose another hydra.run.dir"
-        )
-
-
-def check_vocab(conf: Config, blocks) -> None:
-    vocab = conf.model.vocab_size
-    if vocab is not None and blocks.vocab_size > vocab:
-        raise ConfigError(
-            f"dataset.tokenizer={conf.dataset.tokenizer} has {blocks.vocab_size} tokens but "
-            f"model.vocab_size={vocab}: token ids would overflow the embedding"
-        )
-
-
-def check_passes(conf: Config, blocks, world: int) -> None:
-    """A run never cycles its data unless dataset.max_passes allows it; where it does, it says so."""
-    d, steps, batch = conf.dataset, conf.trainer.steps, conf.trainer.batch_size
-    if not steps:  # null: one pass
-        return
-    asked, have = steps * world * batch, len(blocks.train)
-    passes = asked / have
-    tokens = f"{asked:,} blocks of {d.block_size} tokens ({asked * d.block_size / 1e6:.2f} M tokens)"
-    if d.max_passes is not None and passes > d.max_passes:
-        raise ConfigError(
-            f"dataset.max_passes={d.max_passes}: trainer.steps={steps} x {world * batch} sequences "
-            f"a step ask for {tokens}, {passes:.2f} passes over {d.name}'s {have:,} training blocks; "
-            f"lower trainer.steps to at most {int(d.max_passes * have) // (world * batch)} "
-            "or raise dataset.max_passes"
-        )
-    if passes > 1:
-        log.warning("the run makes %.2f passes over %s's training blocks: %s", passes, d.name, tokens)
-
-
-def check_blocks(conf: Config, blocks, world: int) -> None:
-    """One batch per rank in each split, or the workers would fail on it (trainer.total_steps, evaluate)."""
-    check_passes(conf, blocks, world)
-    d, batch = conf.dataset, conf.trainer.batch_size
-    for split, n, key in (
-        ("training", len(blocks.train), "train_blocks"),
-        ("held-out", len(blocks.eval), "eval_blocks"),
-    ):
-        if n // world < batch:
-            raise ConfigError(
-                f"dataset.{key}={getattr(d, key)}: {n} {split} blocks of dataset.block_size={d.block_size} "
-                f"tokens are too few for trainer.batch_size={batch} on each of {world} ranks "
-                f"(need {batch * world})"
-            )
 
 
 def _rank(cfg, run_dir, blocks, device):
@@ -214,6 +73,8 @@ def run(cfg: DictConfig, run_dir: str, sweep_point: bool = False) -> dict | None
         return run_simulated(cfg, conf, run_dir, shape)
     if env is None and slurm.submits(conf.cluster):  # one SLURM job; the ranks run this function again inside it
         check_run_dir(conf, shape, run_dir)
+        if not conf.cluster.dry_run:  # a dry run lists what the preflight finds
+            check_submission(cfg, run_dir)
         # fldp.train.run by reference: under `python -m fldp.train` this module is __main__, whose
         # functions cloudpickle would copy by value into the job
         return slurm.submit(cfg, run_dir, shape, importlib.import_module("fldp.train").run, sweep_point)

@@ -69,7 +69,7 @@ def build_scheduler(optimizer, opt_cfg: OptimizerConfig, steps: int):
 def total_steps(trainer: TrainerConfig, blocks: Blocks, world: int) -> int:
     """trainer.steps, or one pass over the training blocks when null (paper: 65,536/(512*2) = 64)."""
     per_epoch = len(blocks.train) // (world * trainer.batch_size)
-    if per_epoch == 0:  # the rule is fldp.train.check_blocks', checked before any worker starts
+    if per_epoch == 0:  # the rule is fldp.validation.check_blocks', checked before any worker starts
         raise RuntimeError(f"{len(blocks.train)} training blocks: not one batch per rank (check_blocks)")
     return trainer.steps or per_epoch
 

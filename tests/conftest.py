@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import fldp  # noqa: F401  (registers the fldp_asset resolver)
-from fldp import netns
+from fldp import validation
 from fldp.data import prepare
 from fldp.launch import run_local
 from fldp.mesh import ConfigError, MeshShape
@@ -38,7 +38,7 @@ QUICK = ["wandb.mode=disabled", "trainer.progress=false", "trainer.eval_batches=
 # emulated nodes (fldp/netns.py) need root and iproute2: their tests are skipped without them, unless
 # FLDP_REQUIRE_NETNS=1 (set by CI) makes that an error
 try:
-    netns.missing_tools("netns tests")
+    validation.missing_tools("netns tests")
     NETNS_MISSING = None
 except ConfigError as e:
     NETNS_MISSING = str(e)

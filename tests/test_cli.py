@@ -105,6 +105,8 @@ BAD = [
     (["dataset.max_passes=1", "trainer.steps=100000"], "dataset.max_passes=1: trainer.steps=100000"),
     # a corpus fldp-corpus builds, not built yet: the command that builds it, where the run reads it
     (["dataset=english_pd", "dataset.cache_dir=/nonexistent"], "fldp-corpus english_pd --out /nonexistent/corpora"),
+    # an address of no interface here (TEST-NET-1): the workers could never meet there
+    (["cluster.master_addr=192.0.2.1"], "cluster.master_addr='192.0.2.1': cannot listen there"),
 ]
 
 

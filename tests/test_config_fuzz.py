@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from fldp import schema
 from fldp.errors import ConfigError
 from fldp.mesh import DIMS
-from fldp.train import validate
+from fldp.validation import validate
 
 LONG = int(os.environ.get("FLDP_FUZZ_EXAMPLES", 0))
 FUZZ_EXAMPLES = LONG or 300

@@ -265,7 +265,10 @@ def test_a_node_cut_off_for_a_while_is_left_out_and_rejoins_when_its_link_is_bac
     switch (`ip link set down`) after its step 5 and plugged back once the others have aggregated
     twice without it. No process dies and none is restarted: the others go on alone (3
     participants); group 2 waits in its next aggregation's quorum until its link is back, then,
-    behind the others, heals from them, takes their step and trains on; all end identical."""
+    behind the others, heals from them, takes their step and trains on; all end identical. Group 2
+    pauses 2 s after its step 5 (FLDP_FAULT sleep), so that the cut lands between aggregations
+    however loaded the machine: polled at full speed, a late poll could cut inside step 8's
+    all-reduce, which the others then rightly do not commit."""
     import subprocess
     import threading
 
@@ -283,7 +286,7 @@ def test_a_node_cut_off_for_a_while_is_left_out_and_rejoins_when_its_link_is_bac
     def unplug_then_plug_back():
         deadline = time.time() + 200
         while not any(r.get("step", 0) >= 5 for r in steps_done(2)) and time.time() < deadline:
-            time.sleep(0.02)  # cut between aggregations (steps 6-7 take ~0.5 s), not inside one
+            time.sleep(0.02)  # cut between aggregations (group 2 pauses after step 5), not inside one
         subprocess.run(["ip", "-n", network.switch, "link", "set", port, "down"], check=True)
         cut["at"] = time.time()
         while sum(r.get("participants") == 3 for r in steps_done(0)) < 2 and time.time() < deadline:
@@ -292,7 +295,7 @@ def test_a_node_cut_off_for_a_while_is_left_out_and_rejoins_when_its_link_is_bac
 
     cutter = threading.Thread(target=unplug_then_plug_back, daemon=True)
     cutter.start()
-    weights = run_elastic(cfg, tmp_path, None, monkeypatch, network=network)
+    weights = run_elastic(cfg, tmp_path, "group=2,step=5,sleep=2", monkeypatch, network=network)
     cutter.join()
     for g in (0, 1, 3):
         rows = records(tmp_path, g)

@@ -21,11 +21,11 @@ import torch.distributed as dist
 from conftest import cli, cluster, compose_cfg, needs_netns, read_rows
 from omegaconf import OmegaConf
 
-from fldp import netns
+from fldp import netns, validation
 from fldp.cost import Units, crossing_flows, predict, tier_bandwidth
 from fldp.launch import run_local
 from fldp.mesh import ConfigError, MeshShape
-from fldp.train import validate
+from fldp.validation import validate
 
 FAST = ["wandb.mode=disabled", "trainer.progress=false", "trainer.eval_batches=1"]
 MB = 2**20
@@ -421,7 +421,7 @@ def test_without_root_validation_says_so(monkeypatch):
     ],
 )
 def test_bad_link_settings_name_the_key(monkeypatch, override, key):
-    monkeypatch.setattr(netns, "missing_tools", lambda name: None)  # the keys are checked first
+    monkeypatch.setattr(validation, "missing_tools", lambda name: None)  # the keys are checked first
     with pytest.raises(ConfigError) as e:
         validate(compose_cfg("topology=netns_2x4", override))
     assert key in str(e.value)

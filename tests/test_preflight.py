@@ -19,6 +19,7 @@ from conftest import cli, compose_cfg
 from fldp import ASSETS, preflight
 from fldp.data import cache_entry, load_tokenizer, prepare
 from fldp.mesh import ConfigError
+from fldp.validation import validate
 
 SLURM_2X4 = ["cluster=slurm", "topology=slurm_2x4"]
 # pytest's directories are in /tmp, node-local on a real cluster; the node-local check has its own test
@@ -160,8 +161,8 @@ def test_node_local_paths_are_refused(token_cache, tmp_path):
     assert preflight.problems(cfg, str(shared / "run")) == [
         p for p in preflight.problems(cfg, str(local / "run")) if not p.startswith("hydra.run.dir")
     ]
-    with pytest.raises(ConfigError, match=r"cluster.node_local_dirs=/tmp: must be a list of directories"):
-        preflight.problems(slurm_cfg(token_cache, "cluster.node_local_dirs=/tmp"), str(shared))
+    with pytest.raises(ConfigError, match=r"cluster.node_local_dirs='/tmp': must be a list of directories"):
+        validate(slurm_cfg(token_cache, "cluster.node_local_dirs=/tmp"))
 
 
 def test_a_dry_run_lists_every_problem_and_exits_0(tmp_path):

@@ -31,6 +31,7 @@ from fldp.config import load
 from fldp.launch import WorkerError
 from fldp.mesh import ConfigError, mesh_shape
 from fldp.sweep import point_dirname
+from fldp.validation import validate
 
 
 def _slurm_up() -> bool:
@@ -323,7 +324,7 @@ def test_a_run_directory_with_a_percent_sign_keeps_it_out_of_sbatchs_log_paths(t
     assert slurm.job_folder_of(load(cfg).cluster, str(tmp_path / "run")) == tmp_path / "run" / "slurm" / "%j"
     assert slurm.job_folder_of(load(cfg).cluster, str(point)) == tmp_path / "sweep" / "slurm-jobs" / "%j"
     with pytest.raises(ConfigError, match="cluster.folder=/work/100%: sbatch reads '%'"):
-        slurm.job_folder_of(load(compose_cfg("cluster=slurm", "cluster.folder=/work/100%")).cluster, str(point))
+        validate(compose_cfg("cluster=slurm", "cluster.folder=/work/100%"))
 
 
 def test_local_sweep_an_invalid_point_fails_alone(tmp_path):
@@ -782,4 +783,4 @@ def test_a_sweep_skips_its_finished_point_and_its_point_past_the_time_limit_requ
 def test_gpu_topology_needs_one_gpu_per_rank():
     cfg = compose_cfg("topology=leonardo_512", "cluster.gpus_per_node=2")
     with pytest.raises(ConfigError, match="cluster.gpus_per_node=2 but topology.procs_per_node=4"):
-        slurm.job_parameters(load(cfg), mesh_shape(cfg))
+        validate(cfg)
