@@ -258,6 +258,59 @@ def run_setting(index: int, topology: str, mbit: float, everies: list[int], args
     return found
 
 
+def repredicted(out: Path, steps: int) -> list[dict]:
+    """OUT/results.csv's rows predicted again by today's step-time model from OUT's profiles, the
+    measurements as committed (nothing runs): what a change of the model does to committed
+    settings. `steps`: the measured runs' trainer.steps (it sets how the aggregation amortises)."""
+    import csv
+
+    rows = list(csv.DictReader((out / "results.csv").open()))
+    for row in rows:
+        mbit = float(row["link_mbit"])
+        index = f"_{row['setting']}" if row.get("setting") else ""  # a drawn setting's profile is numbered
+        profile = out / f"profile_{row['topology']}_{mbit:g}{index}.yaml"
+        mesh = [f"mesh.federation={row['F']}", f"mesh.replicate={row['R']}", f"mesh.shard={row['S']}"]
+        every = int(float(row["A"])) if row["A"] else None
+        algorithm = BY_DIMS[(int(row["F"]) > 1, int(row["R"]) > 1)]
+        cfg = compose_cfg(
+            f"topology={row['topology']}", f"topology.network.1.gbit_s={mbit / 1e3:g}", f"+topology.profile={profile}",
+            f"trainer.steps={steps}", *QUIET, f"algorithm={algorithm}", *mesh,
+            *([f"algorithm.every={every}"] if every else []),
+        )  # fmt: skip
+        by_phase = predicted(cfg, every)
+        row.update({f"predicted_{p}": round(v, 4) for p, v in by_phase.items()})
+        row["predicted_s"] = round(sum(by_phase.values()), 4)
+        row["error"] = round(row["predicted_s"] / float(row["measured_s"]) - 1, 4)
+        row["measured_s"] = float(row["measured_s"])
+    return rows
+
+
+def print_repredicted(out: Path, steps: int) -> None:
+    """Each setting of OUT/results.csv against the goals, as committed and predicted again; the
+    rows predicted again in OUT/repredicted/results.csv."""
+    import csv
+
+    def numbers(rows: list[dict]) -> list[dict]:
+        return [{**r, **{k: float(r[k]) for k in ("error", "predicted_s", "measured_s")}} for r in rows]
+
+    def settings(rows: list[dict]) -> dict[tuple, list[dict]]:
+        grouped: dict[tuple, list[dict]] = {}
+        for r in rows:
+            grouped.setdefault((r["topology"], r["link_mbit"], r.get("setting", "")), []).append(r)
+        return grouped
+
+    then, now = numbers(list(csv.DictReader((out / "results.csv").open()))), numbers(repredicted(out, steps))
+    for (topology, mbit, index), rows in settings(then).items():
+        for label, mine in (("committed", rows), ("today's model", settings(now)[(topology, mbit, index)])):
+            s = summary(mine)
+            print(
+                f"{topology} at {mbit} Mbit/s {index}, {label}: max {s['max_error']:.1%}, median "
+                f"{s['median_error']:.1%}, first choice {s['first_choice_gap']:+.1%}, Spearman {s['spearman']:.2f}; "
+                f"{verdict(s)}"
+            )
+    write_results(out / "repredicted", now)
+
+
 def arguments() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--topologies", default="netns_4x2,netns_2x4")
@@ -275,6 +328,9 @@ def arguments() -> argparse.Namespace:
     ap.add_argument("--layouts", default="", help="only these FxRxS (default: all)")
     ap.add_argument("--out", default=str(ROOT / "experiments" / "plan"))
     ap.add_argument("--recheck", action="store_true", help="calibrate again after the runs: the machine's drift")
+    ap.add_argument(
+        "--repredict", action="store_true", help="predict OUT/results.csv again with today's model; run nothing"
+    )
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for every run")
     args = ap.parse_args()
     args.every = [int(a) for a in args.every.split(",")]
@@ -287,6 +343,8 @@ def arguments() -> argparse.Namespace:
 
 def main() -> None:
     args = arguments()
+    if args.repredict:
+        return print_repredicted(Path(args.out), args.steps)
     start, rows = time.monotonic(), []
     Path(args.out).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:

@@ -121,6 +121,20 @@ def test_hsdp_inside_a_node_pays_each_layers_replica_all_reduce():
     assert got["backward"] == pytest.approx(2 * per_layer)
 
 
+def test_gloos_leader_broadcast_sends_over_the_node_to_replicas_beside_the_root():
+    """4 nodes of 2, F = 2 groups of R = 4 replicas (S = 1), 2 GB of weights: each group spans two
+    nodes. The leaders' exchange: one flow per node at a port's 12.5 GB/s, 2 GB / 2 each way. gloo's
+    flat broadcast then sends the 2 GB three times: to the replica on the root's own node over the
+    node's 100 GB/s, to the two on the other node at the port's 12.5 GB/s (fldp-plan charged all
+    three across nodes: the aggregation of this layout over-predicted by 25-40% on netns_4x2)."""
+    hw = Hardware(gpus_per_node=2, port=12.5e9, nic=25e9, nvlink=100e9, latency=0.0, node_latency=0.0, backend="gloo")
+    work = Workload(unit_bytes=(1e9, 1e9, 0.0), flops_per_token=0.0, tokens=1)
+    exchange, broadcast = 2e9 / 12.5e9, 2e9 / 100e9 + 2 * 2e9 / 12.5e9
+    assert phases(work, MeshShape(2, 4, 1), 4, hw, FULL, leaders=True)["aggregation"] == pytest.approx(
+        (exchange + broadcast) / 4
+    )
+
+
 def test_fsdp2s_own_seconds_per_collective_where_it_gathers_or_reduces():
     # 3 units: a sharded step gathers 3 in forward, gathers 2 and reduces 3 in backward; HSDP at
     # S = 1 only reduces its 3 (over the replicas); one rank runs no FSDP2 collective
