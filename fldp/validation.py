@@ -90,9 +90,7 @@ def federation_of(conf: Config):
             model = build_model(llama_config(conf.model, conf.model.vocab_size or 8), "meta")
             names = [name for name, _ in model.named_parameters()]
             federation.streaming.fragment_of([n for n, keep in zip(names, federation.federated(names)) if keep])
-    except ConfigError:
-        raise
-    except ValueError as e:  # a component's invariant: its message names the key
+    except ValueError as e:  # a component's invariant (or a ConfigError of its keys): the message names the key
         raise ConfigError(str(e)) from None
     return federation
 
@@ -206,9 +204,12 @@ def check_submission(cfg: DictConfig, run_dir: str) -> None:
 
 def check_launch(conf: Config, forks_locally: bool) -> None:
     """Where the workers meet: emulated nodes (a network of the run's own), or cluster.master_addr,
-    which this machine must be able to listen at when it forks them."""
+    which this machine must be able to listen at when it forks them (fldp.launch.run_local,
+    fldp.elastic.run_local). An elastic run's supervisor under cluster.launcher=slurm forks nothing:
+    it starts each group as a job step, which meets at the allocation's first node."""
     check_netns(conf, forks_locally)
-    if forks_locally and not netns_enabled(conf.topology):
+    job_steps = conf.algorithm.elastic and conf.cluster.launcher == "slurm"
+    if forks_locally and not job_steps and not netns_enabled(conf.topology):
         check_listenable(conf.cluster.master_addr)
 
 

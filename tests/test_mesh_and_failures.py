@@ -15,6 +15,7 @@ from fldp.aggregation import FedAvg, FedAvgConfig
 from fldp.launch import WorkerError
 from fldp.mesh import ConfigError, MeshShape, build_mesh, group_mesh, mesh_shape
 from fldp.model import build_model, llama_config, parallelize
+from fldp.validation import validate
 
 
 def test_rank_coordinates_are_federation_major():
@@ -43,8 +44,11 @@ def test_mesh_override_and_validation_messages():
     assert mesh_shape(compose_cfg("algorithm=fl_fsdp", "mesh.federation=8", "mesh.shard=1")) == MeshShape(8, 1, 1)
     with pytest.raises(ConfigError, match=r"mesh.federation=2: algorithm=hsdp needs mesh.federation=1"):
         mesh_shape(compose_cfg("algorithm=hsdp", "mesh.federation=2", "mesh.replicate=1"))
-    with pytest.raises(ConfigError, match=r"algorithm.every=-1"):
+    # FedAvg's config refuses it on construction (ValueError); the validation, as the config error it is
+    with pytest.raises(ValueError, match=r"algorithm.every=-1"):
         FedAvgConfig.from_algorithm(compose_cfg("algorithm.every=-1").algorithm)
+    with pytest.raises(ConfigError, match=r"algorithm.every=-1"):
+        validate(compose_cfg("algorithm.every=-1"))
 
 
 def _build(cfg, shape, device, misalign=None):
