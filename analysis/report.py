@@ -22,7 +22,7 @@ from . import paper as paper_values
 from .discover import add_wandb_filters, collect_for, invoked_as, reports_parser, wandb_query
 from .figure import af_heatmap, perplexity_figure, plt, save
 from .records import Run
-from .stats import MIN_SEEDS, TIE_HIGH, TIE_LOW
+from .stats import MIN_SEEDS, TIE_HIGH, TIE_LOW, interval_text
 
 # Summary/config keys that differ between algorithms by design (they ARE the algorithm).
 _ALGORITHM_KEYS = (
@@ -80,18 +80,13 @@ def _table_files(report: Report, stem: str, numeric: pd.DataFrame, headers: dict
     return md
 
 
-def _interval(ratio: float, low: float, high: float, seeds: int, decimals: int = 2) -> str:
-    if seeds < 2:
-        return f"{ratio:.{decimals}f} (1 seed, no interval)" if seeds else "no runs"
-    return f"{ratio:.{decimals}f} [{low:.{decimals}f}, {high:.{decimals}f}]"
-
-
 def _ratio_md(df: pd.DataFrame) -> str:
     show = pd.DataFrame(
         {
             "ratio": df["ratio"],
             "runs (paired by seed) [95% CI]": [
-                _interval(*v) for v in zip(df["runs_ratio"], df["runs_low"], df["runs_high"], df["seeds"])
+                interval_text(*v, decimals=2)
+                for v in zip(df["runs_ratio"], df["runs_low"], df["runs_high"], df["seeds"])
             ],
             "seeds": df["seeds"],
             "paper (quoted)": df["paper_quoted"].map("{:.2f}".format),
@@ -108,7 +103,7 @@ def _findings_md(found: pd.DataFrame) -> str:
         seeds=found["seeds"].astype("string").fillna(""),
         **{
             "runs [CI]": [
-                _interval(r.ratio, r.lo, r.hi, r.seeds, 3) if r.comparison else r.runs for r in found.itertuples()
+                interval_text(r.ratio, r.lo, r.hi, r.seeds) if r.comparison else r.runs for r in found.itertuples()
             ]
         },
     )

@@ -90,18 +90,14 @@ def banked(df: pd.DataFrame, results: Path, allow_mixed: bool) -> pd.DataFrame:
     return earlier.reset_index(drop=True) if df.empty else pd.concat([df, earlier], ignore_index=True)
 
 
-def committed(name: str, results: Path, phase: str | None = None) -> pd.DataFrame:
-    """A committed report's RESULTS/NAME (runs.csv: only `phase`'s rows; findings.csv: only the
-    primary family), empty where this checkout has none (an installed analysis)."""
-    path = results / name
+def committed_runs(results: Path, phase: str) -> pd.DataFrame:
+    """The committed report's runs of `phase` (RESULTS/runs.csv), empty where this checkout has
+    none (an installed analysis)."""
+    path = results / "runs.csv"
     if not path.exists():
         return pd.DataFrame()
     table = pd.read_csv(path)
-    if phase is not None:
-        table = table[table["phase"] == phase]
-    if "setting" in table.columns:
-        table = table[table["setting"].str.endswith("(primary)")]
-    return table.reset_index(drop=True)
+    return table[table["phase"] == phase].reset_index(drop=True)
 
 
 SAME_RUN = ["algorithm", "seed", "steps", "F", "R", "S"]  # a rerun of a run: the same arm, seed, length and mesh
@@ -111,7 +107,7 @@ def beside_committed(runs: pd.DataFrame, column: str, results: Path) -> pd.DataF
     """Each of `runs` beside the committed judging run it reruns (SAME_RUN; in RESULTS/runs.csv):
     its `column`, the committed one (`column`_committed), both commits and the relative
     difference; empty where none is committed."""
-    then = committed("runs.csv", results, "judge")
+    then = committed_runs(results, "judge")
     if then.empty or runs.empty:
         return pd.DataFrame()
     keep = [*SAME_RUN, column, "commit"]

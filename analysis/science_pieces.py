@@ -33,7 +33,7 @@ from .arms import METRIC, algorithm_of, claims  # noqa: E402
 from .paper import paper_ratio  # noqa: E402
 from .render import markdown  # noqa: E402
 from .spec import Study  # noqa: E402
-from .stats import MIN_SEEDS, TIE_HIGH, TIE_LOW, Claim, Ratio, explore, mean_interval, paired_ratio, size  # noqa: E402
+from .stats import MIN_SEEDS, TIE_HIGH, TIE_LOW, Claim, Ratio, explore, interval_text, mean_interval, paired_ratio, size  # noqa: E402
 from .tables import NAMES, ORDER  # noqa: E402
 
 BEST_LR = "fp32, each one's best lr (picked on these seeds)"
@@ -53,12 +53,6 @@ def label(r: Ratio, below: str, above: str) -> str:
         "tie": f"tie (interval within {TIE_LOW:.3f}-{TIE_HIGH:.3f})",
         "inconclusive": "inconclusive (interval spans the tie band)",
     }[r.verdict]
-
-
-def interval_text(row) -> str:
-    if row["seeds"] < 2:
-        return f"{row['ratio']:.3f} (1 seed, no interval)" if row["seeds"] else "no runs"
-    return f"{row['ratio']:.3f} [{row['lo']:.3f}, {row['hi']:.3f}]"
 
 
 def named_family(study: Study, name: str):
@@ -147,7 +141,9 @@ def by_lr(df: pd.DataFrame, study: Study, families) -> pd.DataFrame:
     table = pd.DataFrame({"claim": first["claim"], "paper": first["paper"].map("{:.2f}".format)})
     for lr in sorted(columns):
         name, rows = columns[lr]
-        table[name] = [f"{interval_text(r)} {r['direction']}" for _, r in rows.iterrows()]
+        table[name] = [
+            f"{interval_text(r['ratio'], r['lo'], r['hi'], r['seeds'])} {r['direction']}" for _, r in rows.iterrows()
+        ]
     return table
 
 

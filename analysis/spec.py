@@ -176,11 +176,6 @@ class Study:
     def plan(self) -> Path:
         return self.directory / "PLAN.md"
 
-    @property
-    def results(self) -> Path:
-        """The committed report."""
-        return self.directory / "results"
-
     def phase(self, name: str) -> Phase:
         return next(p for p in self.phases if p.name == name)
 
@@ -341,24 +336,24 @@ def _references(study, raw: dict) -> list[str]:
         if "=" not in o
     ]
     for p in study.phases:
-        problems += _no_arms(p.arms, arms, f"phases.{p.name}.arms")
+        problems += _unknown(p.arms, arms, f"phases.{p.name}.arms", NO_ARM)
     for f in study.families:
-        problems += _no_phases(f.phases, phases, f"families.{f.name}.phase")
+        problems += _unknown(f.phases, phases, f"families.{f.name}.phase", NO_PHASE)
         for j, c in enumerate(f.comparisons):
-            problems += _no_arms([c.num, c.den], arms, f"families.{f.name}.comparisons[{j}]")
+            problems += _unknown([c.num, c.den], arms, f"families.{f.name}.comparisons[{j}]", NO_ARM)
     rule = study.seed_rule
     if rule is not None:
-        problems += _no_phases([rule.phase], phases, "seed_rule.phase")
-        problems += _no_family([rule.family], named, "seed_rule.family")
-        problems += _no_arms(rule.fallback_arms, arms, "seed_rule.fallback_arms")
+        problems += _unknown([rule.phase], phases, "seed_rule.phase", NO_PHASE)
+        problems += _unknown([rule.family], named, "seed_rule.family", NO_FAMILY)
+        problems += _unknown(rule.fallback_arms, arms, "seed_rule.fallback_arms", NO_ARM)
     elif "seed_rule" not in raw and any(p.seeds is None for p in study.phases):
         problems.append("phases: a phase without seeds needs seed_rule, which decides them")
     if study.reduced is not None:
-        problems += _no_phases(study.reduced.seeds, phases, "reduced.seeds")
-        problems += _no_phases([study.reduced.until] if study.reduced.until else [], phases, "reduced.until")
+        problems += _unknown(study.reduced.seeds, phases, "reduced.seeds", NO_PHASE)
+        problems += _unknown([study.reduced.until] if study.reduced.until else [], phases, "reduced.until", NO_PHASE)
     for b in study.beside:
         family = families.get(b.family)
-        problems += _no_family([b.family], named, "beside.family")
+        problems += _unknown([b.family], named, "beside.family", NO_FAMILY)
         if family is not None and b.rows and len(b.rows) != len(family.comparisons):
             problems.append(
                 f"beside.rows: {len(b.rows)} rows for family {b.family}'s {len(family.comparisons)} comparisons"
@@ -375,26 +370,17 @@ def _names(raw: dict, key: str) -> list[str] | None:
     return [e["name"] for e in raw[key] if isinstance(e, dict) and isinstance(e.get("name"), str)]
 
 
-def _no_arms(names, arms: dict | None, key: str) -> list[str]:
-    if arms is None:
+def _unknown(names, known, key: str, refusal: str) -> list[str]:
+    """`KEY: REFUSAL` for each name not among `known` (None: not checked); REFUSAL is formatted with
+    the name ({0}) and the known names ({1})."""
+    if known is None:
         return []
-    return [
-        f"{key}: no arm '{a}' (the arms: {', '.join(arms)}); add it under arms or fix the name"
-        for a in names
-        if a not in arms
-    ]
+    return [f"{key}: " + refusal.format(n, ", ".join(known)) for n in names if n not in known]
 
 
-def _no_phases(names, phases: list[str] | None, key: str) -> list[str]:
-    if phases is None:
-        return []
-    return [f"{key}: {p!r} is not a phase (the phases: {', '.join(phases)})" for p in names if p not in phases]
-
-
-def _no_family(names, families: list[str] | None, key: str) -> list[str]:
-    if families is None:
-        return []
-    return [f"{key}: {f!r} is not a family ({', '.join(families)})" for f in names if f not in families]
+NO_ARM = "no arm '{0}' (the arms: {1}); add it under arms or fix the name"
+NO_PHASE = "{0!r} is not a phase (the phases: {1})"
+NO_FAMILY = "{0!r} is not a family ({1})"
 
 
 def _tune_problems(study, phases: list[str] | None) -> list[str]:
@@ -403,7 +389,7 @@ def _tune_problems(study, phases: list[str] | None) -> list[str]:
     t = study.tune
     if t is None:
         return [f"arms.{a}: '{o}' takes a tuned value, but the spec has no tune block" for a, o in uses]
-    problems = _no_phases(t.phases, phases, "tune.phase")
+    problems = _unknown(t.phases, phases, "tune.phase", NO_PHASE)
     tuned = {a for p in study.phases if p.name in t.phases for a in p.arms}
     for a, o in uses:
         key, _, of = o.partition("=@")
@@ -422,14 +408,14 @@ def _piece_problems(piece: Piece, arms: dict | None, families: list[str] | None,
     if set(args) != set(PIECES[name]):
         wanted = ", ".join(PIECES[name]) or "none"
         return [f"pieces.{name}: arguments {', '.join(sorted(args)) or 'none'}; it takes {wanted}"]
-    problems = _no_phases([args["phase"]] if "phase" in args else [], phases, f"pieces.{name}.phase")
-    problems += _no_phases(args.get("phases") or [], phases, f"pieces.{name}.phases")
+    problems = _unknown([args["phase"]] if "phase" in args else [], phases, f"pieces.{name}.phase", NO_PHASE)
+    problems += _unknown(args.get("phases") or [], phases, f"pieces.{name}.phases", NO_PHASE)
     named = [*([args["family"]] if "family" in args else []), *(args.get("families") or [])]
-    problems += _no_family(named, families, f"pieces.{name}")
+    problems += _unknown(named, families, f"pieces.{name}", NO_FAMILY)
     listed = [*(args.get("pairs") or []), *(args.get("controls") or [])]
     if not all(isinstance(x, list) for x in listed):
         return [*problems, f"pieces.{name}: lists of arms, e.g. [[hsdp, fsdp]]"]
-    problems += _no_arms([a for x in listed for a in (x[:2] if name == "drift" else x)], arms, f"pieces.{name}")
+    problems += _unknown([a for x in listed for a in (x[:2] if name == "drift" else x)], arms, f"pieces.{name}", NO_ARM)
     return problems + (_slope_problems(args, arms) if name == "slope" else [])
 
 
@@ -442,4 +428,4 @@ def _slope_problems(args: dict, arms: dict | None) -> list[str]:
     if not isinstance(args.get("at"), (int, float)) or args["at"] <= 0:
         problems.append(f"pieces.slope.at: {args.get('at')!r}; the parameter count to carry each line to")
     wanted = dict.fromkeys(f"{a}-{rung}" for rung in args.get("rungs") or [] for pair in pairs for a in pair)
-    return problems + _no_arms(wanted, arms, "pieces.slope (ARM-RUNG)")
+    return problems + _unknown(wanted, arms, "pieces.slope (ARM-RUNG)", NO_ARM)

@@ -67,9 +67,14 @@ class Ratio:
         return "tie" if TIE_LOW <= self.low and self.high <= TIE_HIGH else "inconclusive"
 
     def text(self, decimals: int = 3) -> str:
-        if self.seeds < 2:
-            return f"{self.ratio:.{decimals}f} (1 seed, no interval)" if self.seeds else "no runs"
-        return f"{self.ratio:.{decimals}f} [{self.low:.{decimals}f}, {self.high:.{decimals}f}]"
+        return interval_text(self.ratio, self.low, self.high, self.seeds, decimals)
+
+
+def interval_text(ratio: float, low: float, high: float, seeds: int, decimals: int = 3) -> str:
+    """A ratio and its interval as every report writes them."""
+    if seeds < 2:
+        return f"{ratio:.{decimals}f} (1 seed, no interval)" if seeds else "no runs"
+    return f"{ratio:.{decimals}f} [{low:.{decimals}f}, {high:.{decimals}f}]"
 
 
 def paired_ratio(a: pd.Series, b: pd.Series, level: float = LEVEL) -> Ratio:
