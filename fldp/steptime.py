@@ -325,11 +325,16 @@ def dim_link(dim: str, shape, hw: Hardware, eff: Efficiency, leaders: bool = Fal
     }[dim]
     g = hw.gpus_per_node
     if size <= 1 or size * stride <= g:
-        return Link(hw.nvlink * eff.network, hw.node_latency * eff.latency, 1)
+        return node_link(hw, eff)
     flows = crossing_flows(shape, dim, g, leaders and dim == "federation")
     nodes = min(size, math.ceil(size * stride / g))
     # a collective over more nodes reaches less of its link (MiCS): nodes^-span
     return Link(min(hw.port, hw.nic / flows) * eff.network * nodes ** (-eff.span), hw.latency * eff.latency, nodes)
+
+
+def node_link(hw: Hardware, eff: Efficiency) -> Link:
+    """Inside a node: NVLink (on emulated nodes, the namespace's loopback)."""
+    return Link(hw.nvlink * eff.network, hw.node_latency * eff.latency, 1)
 
 
 def leader_broadcast(nbytes: float, shape, hw: Hardware, eff: Efficiency, replicate: Link) -> float:
@@ -345,11 +350,9 @@ def leader_broadcast(nbytes: float, shape, hw: Hardware, eff: Efficiency, replic
     if hw.backend != "gloo":
         return nbytes / replicate.bandwidth + (R - 1) * replicate.latency
     beside = min(R, math.ceil(hw.gpus_per_node / shape.shard)) - 1
-    inside = hw.nvlink * eff.network, hw.node_latency * eff.latency
-    across = replicate.bandwidth, replicate.latency
     return sum(
-        count * (nbytes / bandwidth + latency)
-        for count, (bandwidth, latency) in ((beside, inside), (R - 1 - beside, across))
+        count * (nbytes / link.bandwidth + link.latency)
+        for count, link in ((beside, node_link(hw, eff)), (R - 1 - beside, replicate))
     )
 
 
