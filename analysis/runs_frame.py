@@ -62,13 +62,13 @@ def losses(df: pd.DataFrame, out: Path) -> Path:
 
 
 def banked(df: pd.DataFrame, results: Path, allow_mixed: bool) -> pd.DataFrame:
-    """df with the rows of RESULTS/runs.csv whose phase df lacks, each with its training losses from
-    RESULTS/losses.csv.gz: a report made again after new phases ran, from the per-run numbers an
-    earlier report committed. Rows of other commits than df's are refused (exit 2) unless allow_mixed."""
+    """df with the rows of RESULTS/runs.csv whose run df lacks, each with its training losses from
+    RESULTS/losses.csv.gz: a report made again after new runs, from the per-run numbers an earlier
+    report committed. Rows of other commits than df's are refused (exit 2) unless allow_mixed."""
     earlier = pd.read_csv(results / "runs.csv")
     if df.empty:  # every row from the earlier report (a report made again from its numbers)
         df = pd.DataFrame(columns=[*earlier.columns, "step", "loss"])
-    earlier = earlier[~earlier["phase"].isin(set(df["phase"]))]
+    earlier = earlier[~earlier["run"].isin(set(df["run"]))]
     curves = pd.read_csv(results / LOSSES).groupby("run")
     missing = sorted(set(earlier["run"]) - set(curves.groups))
     if missing:

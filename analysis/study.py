@@ -48,8 +48,9 @@ def placed(df: pd.DataFrame, study: Study, overrides: list[set[str]]) -> pd.Data
 
 def placed_arms(df: pd.DataFrame, study: Study) -> pd.DataFrame:
     """df (e.g. read back from a report's runs.csv: one row per run) with every row's arm from its
-    run id."""
-    return placed(df.drop(columns=["arm"], errors="ignore"), study, [overrides_of(Path(r).name) for r in df["run"]])
+    run id: one row per run and arm (a run placed before, a row per arm, is not doubled)."""
+    df = df.drop(columns=["arm"], errors="ignore").drop_duplicates("run", ignore_index=True)
+    return placed(df, study, [overrides_of(Path(r).name) for r in df["run"]])
 
 
 def frame(runs, study: Study) -> pd.DataFrame:

@@ -1,27 +1,31 @@
 """fldp-study: a pre-registered study, from its spec (experiments/<study>/study.yaml, analysis.spec).
 
-    fldp-study run SPEC [OUT] [--reduced] [--until PHASE] [--allow-mixed] [--allow-changed-spec] [KEY=VALUE...]
-    fldp-study status SPEC OUT [--reduced]
+    fldp-study run SPEC [OUT] [--reduced] [--until PHASE] [--allow-mixed] [--allow-changed-spec] [--banked RESULTS] [KEY=VALUE...]
+    fldp-study status SPEC OUT [--reduced] [--banked RESULTS]
     fldp-study report SPEC OUT [--allow-mixed] [--banked RESULTS]
 
 run: every phase (Hydra multiruns of its arms into OUT/runs/PHASE/), then the report in OUT/report/;
 again with the same OUT, finished runs are skipped. --until PHASE stops after it. --reduced: CI's
 pipeline check (the spec's `reduced`), whose numbers judge nothing. KEY=VALUE: overrides for every
 run (cluster=slurm submits them). status: what is finished and what is left, with a time estimate.
-report: the report of OUT's runs (--banked RESULTS: with the phases they lack from an earlier report's
-per-run numbers, e.g. the committed one: a report made again from them). A bad spec or argument exits 2 before anything runs."""
+report: the report of OUT's runs. --banked RESULTS: the runs OUT lacks, from an earlier report's
+per-run numbers (runs.csv, losses.csv.gz; e.g. the committed one, where the session that made them
+left no OUT on this machine): run makes none of them again, status counts them, the decisions and
+the report take them in (OUT's own run of a point comes first). A bad spec or argument exits 2
+before anything runs."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import sys
 from datetime import datetime
 from pathlib import Path
 
 from .spec import SpecError, Study, load
-from .study_run import changed_runs, run, stamp, status_lines
+from .study_run import banked_points, changed_runs, run, stamp, status_lines
 
 # the analysis's imports (pandas, scipy, matplotlib, fldp's records) wait until the spec and the
 # arguments are checked: a refusal comes in a fraction of a second
@@ -46,7 +50,7 @@ def parser() -> argparse.ArgumentParser:
         "--banked",
         type=Path,
         metavar="RESULTS",
-        help="report: the phases OUT's runs lack from an earlier report's runs.csv and losses.csv.gz",
+        help="the runs OUT lacks, from an earlier report's runs.csv and losses.csv.gz (run makes none again)",
     )
     return p
 
@@ -57,19 +61,37 @@ def shown(argv: list[str]) -> str:
     return f"{PROG} " + shlex.join(os.path.relpath(a) if a.startswith(cwd) else a for a in argv)
 
 
-def write_report(study: Study, out: Path, allow_mixed: bool, command: str, banked: Path | None = None) -> int:
+def runs_of(study: Study, out: Path, banked: Path | None, allow_mixed: bool):
+    """One row per run (analysis.study.frame) of OUT's runs, and of `banked`'s that OUT lacks (each
+    arm placed again); the runs that could not be read, one message each."""
     import pandas as pd
 
-    from . import paper as paper_values
     from .discover import collect_for
     from .runs_frame import banked as with_banked
     from .study import frame, placed_arms
-    from .study_report import report
 
     runs, problems = collect_for(PROG, [str(out / "runs")], allow_mixed) if (out / "runs").is_dir() else ([], [])
     df = frame(runs, study) if runs else pd.DataFrame()
-    if banked is not None:  # the phases OUT's runs lack, from a committed report's per-run numbers
+    if banked is not None:
         df = placed_arms(with_banked(df, banked, allow_mixed), study)
+    return df, problems
+
+
+def banked_runs(study: Study, results: Path):
+    """A committed report's runs (its runs.csv), each arm placed."""
+    import pandas as pd
+
+    from .runs_frame import banked
+    from .study import placed_arms
+
+    return placed_arms(banked(pd.DataFrame(), results, allow_mixed=True), study)
+
+
+def write_report(study: Study, out: Path, allow_mixed: bool, command: str, banked: Path | None = None) -> int:
+    from . import paper as paper_values
+    from .study_report import report
+
+    df, problems = runs_of(study, out, banked, allow_mixed)
     if df.empty:
         print(f"{PROG}: no finished run in {out / 'runs'}", file=sys.stderr)
         return 1
@@ -80,18 +102,37 @@ def write_report(study: Study, out: Path, allow_mixed: bool, command: str, banke
     return 1 if problems else 0
 
 
-def decider(study: Study):
-    """What OUT's runs so far decide (analysis.study.decide): seeds, tuned values, extensions."""
+def decider(study: Study, banked: Path | None = None):
+    """What OUT's runs so far (and `banked`'s) decide (analysis.study.decide): seeds, tuned values,
+    extensions."""
 
     def decide(out: Path):
         from . import paper as paper_values
-        from .discover import collect_for
-        from .study import NOTHING, decide, frame
+        from .study import NOTHING, decide
 
-        runs, _ = collect_for(PROG, [str(out / "runs")], allow_mixed=True) if (out / "runs").is_dir() else ([], [])
-        return decide(frame(runs, study), study, paper_values.load()) if runs else NOTHING
+        df, _ = runs_of(study, out, banked, allow_mixed=True)
+        return NOTHING if df.empty else decide(df, study, paper_values.load())
 
     return decide
+
+
+def banked_refusal(study: Study, results: Path, allow_changed: bool) -> str | None:
+    """Why `results` cannot be banked: no runs.csv or losses.csv.gz, or its report made under
+    another version of the spec (its report.md's spec line) and not allowed."""
+    missing = [f for f in ("runs.csv", "losses.csv.gz") if not (results / f).is_file()]
+    if missing:
+        return f"--banked {results}: no {' or '.join(missing)} there (a report's directory holds both)"
+    made = re.search(r"^The spec: `[^`]*` sha256 ([0-9a-f]{12})", read_or_empty(results / "report.md"), re.M)
+    if made and made[1] != study.sha256[:12] and not allow_changed:
+        return (
+            f"--banked {results}: its runs were made under another version of the spec (sha256 {made[1]}, "
+            f"now {study.sha256[:12]}). Nothing run: pass --allow-changed-spec to take them in (the report will say so)"
+        )
+    return None
+
+
+def read_or_empty(path: Path) -> str:
+    return path.read_text() if path.is_file() else ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,8 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.until is not None and args.until not in [p.name for p in study.phases]:
         ap.error(f"--until {args.until}: not a phase of {study.name} ({', '.join(p.name for p in study.phases)})")
     out = Path(outs[0]) if outs else Path("outputs") / study.name / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    if args.banked is not None and (refused := banked_refusal(study, args.banked, args.allow_changed_spec)):
+        print(f"{PROG}: {refused}", file=sys.stderr)
+        return 2
     if args.command == "status":
-        print("\n".join(status_lines(study, out, args.reduced, decider(study)(out))))
+        banked = banked_runs(study, args.banked) if args.banked else None
+        print("\n".join(status_lines(study, out, args.reduced, decider(study, args.banked)(out), banked)))
         return 0
     if args.command == "report":
         if (changed := changed_runs(study, out)) and not args.allow_changed_spec:
@@ -129,8 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     if refused:
         print(f"{PROG}: {refused}", file=sys.stderr)
         return 2
-    status = run(study, out, args.reduced, args.until, overrides, decider(study))
-    reported = write_report(study, out, args.allow_mixed, shown(argv))
+    points = banked_points(banked_runs(study, args.banked), study) if args.banked else set()
+    status = run(study, out, args.reduced, args.until, overrides, decider(study, args.banked), points)
+    reported = write_report(study, out, args.allow_mixed, shown(argv), args.banked)
     print(f"{study.name}: report in {out / 'report' / 'report.md'}")
     return max(status, reported)
 

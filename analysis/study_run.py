@@ -1,14 +1,17 @@
 """Running a study spec: each phase Hydra multiruns of its arms into OUT/runs/PHASE/, in the spec's
 order, the judging seeds decided from the runs before them. Run again with the same OUT and finished
-points are skipped (trainer.skip_finished); OUT/study.json holds the spec's hash, and a spec changed
-since is refused unless asked for (the report then says so)."""
+points are skipped (trainer.skip_finished), and so are the points a committed report holds (BANKED:
+its per-run numbers, from a session whose OUT did not survive to this machine); OUT/study.json holds
+the spec's hash, and a spec changed since is refused unless asked for (the report then says so)."""
 
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Set as AbstractSet
 from datetime import datetime
 from pathlib import Path
 
@@ -17,6 +20,40 @@ from .spec import Phase, Study
 
 STAMP = "study.json"
 RUN_STAMP = "spec.json"  # beside a run's records: the hash of the spec it was made under
+
+Point = tuple[str, str, int, str]  # (phase, arm, seed, the tuned value as an override writes it; "" outside tuning)
+
+
+def banked_points(rows, study: Study) -> set[Point]:
+    """The points of a committed report's runs (`rows`: its runs.csv, each row's arm placed)."""
+    tune = study.tune.phases if study.tune else ()
+    values = rows[study.tune.key] if study.tune else rows["seed"]
+    return {
+        (phase, arm, int(seed), shown(float(value)) if phase in tune else "")
+        for phase, arm, seed, value in zip(rows["phase"], rows["arm"], rows["seed"], values)
+    }
+
+
+def unbanked(study: Study, phase: str, arms: dict, seeds: dict, banked: AbstractSet[Point]) -> tuple[dict, dict]:
+    """The phase's arms (each one's overrides) and seeds less the points `banked` holds: a point is
+    made once, whichever session made it. A tuned arm keeps the values of its sweep with a seed not
+    banked; an arm left with no run is dropped."""
+    key = study.tune.key if study.tune and phase in study.tune.phases else None
+    left_arms, left_seeds = {}, {}
+    for arm, overrides in arms.items():
+        todo = [s for s in seeds[arm] if key or (phase, arm, s, "") not in banked]
+        kept = []
+        for o in overrides:
+            name, _, values = o.partition("=")
+            if name == key:  # the sweep: the values some seed of which is not banked
+                wanted = [
+                    v for v in values.split(",") if any((phase, arm, s, shown(float(v))) not in banked for s in todo)
+                ]
+                o = f"{key}={','.join(wanted)}" if wanted else ""
+            kept.append(o)
+        if todo and all(kept):
+            left_arms[arm], left_seeds[arm] = kept, todo
+    return left_arms, left_seeds
 
 
 def phase_seeds(
@@ -147,10 +184,23 @@ def set_aside_unfinished(out: Path, phase: str) -> list[Path]:
     return moved
 
 
-def run_phase(study: Study, out: Path, phase: Phase, arms: dict, seeds: dict, extra: list[str], start: float) -> int:
-    """The phase's multiruns of `arms` (each arm's overrides), its interrupted runs set aside
-    first; 0 when every one succeeded."""
+def run_phase(
+    study: Study,
+    out: Path,
+    phase: Phase,
+    arms: dict,
+    seeds: dict,
+    extra: list[str],
+    start: float,
+    banked: AbstractSet[Point],
+) -> int:
+    """The phase's multiruns of `arms` (each arm's overrides) but the points `banked` holds, its
+    interrupted runs set aside first; 0 when every one succeeded."""
     status = 0
+    arms, seeds = unbanked(study, phase.name, arms, seeds, banked)
+    if not arms:
+        print(f"{study.name}: {phase.name}: every run is banked (--banked), none made again", flush=True)
+        return 0
     for moved in set_aside_unfinished(out, phase.name):
         print(f"{study.name}: {phase.name}: an interrupted run, set aside to be made again: {moved}", flush=True)
     for overrides, batch_seeds in batches(arms, Phase(phase.name, tuple(arms), None), seeds):
@@ -165,10 +215,18 @@ def run_phase(study: Study, out: Path, phase: Phase, arms: dict, seeds: dict, ex
     return status
 
 
-def run(study: Study, out: Path, reduced: bool, until: str | None, overrides: list[str], decide) -> int:
-    """Every phase up to `until`; `decide(out)`: what the runs so far decide (analysis.study.decide:
-    the seed rule's seeds, the tuned values and the grid's extensions). 0 when every multirun
-    succeeded."""
+def run(
+    study: Study,
+    out: Path,
+    reduced: bool,
+    until: str | None,
+    overrides: list[str],
+    decide,
+    banked: AbstractSet[Point] = frozenset(),
+) -> int:
+    """Every phase up to `until`, but the points `banked` holds; `decide(out)`: what the runs so far
+    decide (analysis.study.decide: the seed rule's seeds, the tuned values and the grid's
+    extensions), banked ones included. 0 when every multirun succeeded."""
     start, status = time.monotonic(), 0
     extra = [*(study.reduced.overrides if reduced else ()), *overrides]
     until = until or (study.reduced.until if reduced else None)
@@ -193,11 +251,13 @@ def run(study: Study, out: Path, reduced: bool, until: str | None, overrides: li
             )
             print(f"{study.name}: {phase.name}: nothing run ({why})", file=sys.stderr)
             return 1
-        status |= run_phase(study, out, phase, arms, seeds, extra, start)
+        status |= run_phase(study, out, phase, arms, seeds, extra, start, banked)
         # the grid's runs read once; this phase's arms only
         extend = {a: v for a, v in decide(out).extend.items() if a in phase.arms} if phase.name in tune else {}
         if extend and not status:  # the best at a grid's edge: one value past it, once
-            status |= run_phase(study, out, phase, tune_arms(study, phase, reduced, extend), seeds, extra, start)
+            status |= run_phase(
+                study, out, phase, tune_arms(study, phase, reduced, extend), seeds, extra, start, banked
+            )
         if status:  # what comes next is decided from this phase's runs: none may be missing
             print(
                 f"{study.name}: {phase.name}: a run failed (its error above); the phases after it are not run, "
@@ -223,14 +283,18 @@ def finished_seeds(out: Path, phase: str, study: Study, chosen: dict[str, float]
     return found
 
 
-def status_lines(study: Study, out: Path, reduced: bool, decided) -> list[str]:
-    """Per phase and arm: the runs finished of those the phase asks for, and a time estimate for
-    what is left from the arm's finished runs in any phase (its tuning runs time its judging ones);
-    the runs of an arm with none finished yet are counted apart, never estimated as zero
-    (`decided`: analysis.study.decide on them)."""
+def status_lines(study: Study, out: Path, reduced: bool, decided, banked=None) -> list[str]:
+    """Per phase and arm: the runs finished of those the phase asks for (OUT's, and `banked`'s: a
+    committed report's runs.csv, arms placed), and a time estimate for what is left from the arm's
+    finished runs in any phase (its tuning runs time its judging ones); the runs of an arm with
+    none finished yet are counted apart, never estimated as zero (`decided`: analysis.study.decide
+    on them)."""
     finished = {p.name: finished_seeds(out, p.name, study, decided.chosen) for p in study.phases}
-    per_run = {
-        arm: sum(times) / len(times)
+    if banked is not None:
+        for phase, arm, seed, seconds in zip(banked["phase"], banked["arm"], banked["seed"], banked["train_time_s"]):
+            finished.setdefault(phase, {}).setdefault(arm, {}).setdefault(int(seed), float(seconds))
+    per_run = {  # the median: a run paused part-way (the machine lent to other work) says nothing of the rest
+        arm: statistics.median(times)
         for arm in {a for f in finished.values() for a in f}
         if (times := [t for f in finished.values() for t in f.get(arm, {}).values()])
     }

@@ -521,3 +521,91 @@ def test_status_times_what_is_left_from_the_arms_runs_in_any_phase_and_counts_th
     assert any(line.split()[:2] == ["judge-small", "fsdp-l0"] and "~50 min left" in line for line in lines), lines
     unbegun = 7 * 1 + 7 * 5 + 2 * (4 * 1 + 4 * 5)  # the small rungs' other arms, then l2 and l3
     assert lines[-1].startswith("left: ~50 min") and f"; {unbegun} runs of arms with no finished" in lines[-1]
+
+
+LADDER = ROOT / "experiments" / "ladder"
+
+
+def test_a_study_run_with_banked_runs_makes_only_the_points_the_committed_report_lacks(tmp_path, monkeypatch):
+    """The ladder's OUT did not survive to a new machine: run with --banked RESULTS makes none of
+    the committed runs again (the tuning ones included), and the judging arms take the lr the
+    committed tuning runs chose. Expected points read from runs.csv's columns, not from run ids."""
+    from analysis import study_run
+    from analysis.study_cli import banked_runs, decider
+
+    study = load(LADDER)
+    results = LADDER / "results"
+    committed = pd.read_csv(results / "runs.csv")
+    issued: list[list[str]] = []
+
+    def recorded(cmd, **kw):
+        issued.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(study_run.subprocess, "run", recorded)
+    points = study_run.banked_points(banked_runs(study, results), study)
+    assert len(points) == len(committed)
+    status = study_run.run(study, tmp_path, False, "judge-small", [], decider(study, results), points)
+    assert status == 0
+    made = set()
+    for cmd in issued:
+        assert "hydra.sweep.dir=" + str(tmp_path / "runs" / "judge-small") in cmd, cmd  # tune-small: all banked
+        values = dict(o.split("=", 1) for o in cmd if "=" in o and not o.startswith("hydra."))
+        assert values["model"] in ("tiny_llama", "ladder_1")
+        made |= {
+            (values["model"], a, int(s)) for a in values["algorithm"].split(",") for s in values["seed"].split(",")
+        }
+        lrs = {"fsdp": "0.003", "diloco_hsdp": "0.003", "fl_fsdp": "0.01", "fl_hsdp": "0.03"}  # the report's choice
+        assert {lrs[a] for a in values["algorithm"].split(",")} == {values["optimizer.lr"]}, cmd
+    judged = committed[committed["phase"] == "judge-small"]
+    have = set(zip(judged["model"], judged["algorithm"], judged["seed"]))
+    every = {
+        (m, a, s)
+        for m in ("tiny_llama", "ladder_1")
+        for a in ("fsdp", "fl_fsdp", "fl_hsdp", "diloco_hsdp")
+        for s in range(5)
+    }
+    assert made == every - have and made
+
+
+def test_banked_runs_made_under_another_spec_are_refused_before_anything_runs(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    for name in ("runs.csv", "losses.csv.gz"):
+        (results / name).write_bytes((LADDER / "results" / name).read_bytes())
+    report = (LADDER / "results" / "report.md").read_text()
+    (results / "report.md").write_text(report.replace(load(LADDER).sha256[:12], "0123456789ab"))
+    refused = subprocess.run(
+        [FLDP_STUDY, "run", str(LADDER), str(tmp_path / "out"), "--banked", str(results)],
+        capture_output=True,
+        text=True,
+    )
+    assert refused.returncode == 2 and "sha256 0123456789ab" in refused.stderr, refused.stderr
+    assert not (tmp_path / "out").exists()
+    shown = subprocess.run(
+        [FLDP_STUDY, "status", str(LADDER), str(tmp_path / "out"), "--banked", str(LADDER / "results")],
+        capture_output=True,
+        text=True,
+    )
+    assert shown.returncode == 0, shown.stderr
+    line = next(x for x in shown.stdout.splitlines() if x.split()[:2] == ["judge-small", "fsdp-l0"])
+    assert "5/5 finished" in line, shown.stdout
+
+
+def test_status_times_what_is_left_from_the_median_run_so_a_run_paused_part_way_does_not_swell_it(tmp_path):
+    """The ladder's committed runs hold one judging run of 8,198 s (the study paused while CI ran)
+    among runs of 60-250 s: a mean made the estimate of what is left hours too long."""
+    from types import SimpleNamespace
+
+    from analysis.study_run import status_lines
+
+    study = load(LADDER)
+    point = "+experiment=paper_shape,algorithm=fsdp,dataset=english_pd,model=tiny_llama,optimizer.lr=0.003"
+    for seed, seconds in ((0, 600.0), (1, 600.0), (2, 60000.0)):
+        run = tmp_path / "runs" / "judge-small" / f"{point},seed={seed},trainer.precision=fp32"
+        run.mkdir(parents=True)
+        (run / "summary.json").write_text(json.dumps({"seed": seed, "train_time_s": seconds}))
+    lines = status_lines(study, tmp_path, False, SimpleNamespace(seeds={}, chosen={"fsdp-l0": 0.003}))
+    assert any(
+        line.split()[:2] == ["judge-small", "fsdp-l0"] and "3/5 finished, ~20 min left" in line for line in lines
+    ), lines
