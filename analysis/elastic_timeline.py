@@ -27,16 +27,12 @@ import json
 import sys
 from pathlib import Path
 
-import matplotlib
+import pandas as pd
+import seaborn as sns
+from matplotlib.lines import Line2D
 
-matplotlib.use("Agg")  # files only; no display on CI or a cluster node
-
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
-import seaborn as sns  # noqa: E402
-from matplotlib.lines import Line2D  # noqa: E402
-
-from .records import RecordError, _read_json_lines  # noqa: E402
+from .plotting import plt, save
+from .records import RecordError, _read_json_lines
 
 MOMENTS = "timeline.json"  # in SEED_DIR, written by experiments/bench_elastic.py
 KILLED_ROWS = "killed_run_metrics.jsonl"  # in the static run's directory, copied before its resume
@@ -293,8 +289,7 @@ def save_chart(run_root: Path, seed: int, out: Path, title: str | None = None) -
     fig = timeline_figure(*read_seed(Path(run_root) / f"seed_{seed}"), title=title)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save(fig, out, 110)
     return out
 
 

@@ -8,17 +8,13 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-import matplotlib
+import pandas as pd
+import seaborn as sns
+from matplotlib.ticker import FuncFormatter, LogFormatter
 
-matplotlib.use("Agg")  # files only; no display on CI or a cluster node
-
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
-import seaborn as sns  # noqa: E402
-from matplotlib.ticker import FuncFormatter, LogFormatter  # noqa: E402
-
-from .records import Run  # noqa: E402
-from .tables import _order, af_grid, labels  # noqa: E402
+from .plotting import plt
+from .records import Run
+from .tables import _order, af_grid, labels
 
 
 def curves(runs: list[Run]) -> pd.DataFrame:

@@ -20,20 +20,16 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
-import matplotlib
+import numpy as np
+import pandas as pd
 
-matplotlib.use("Agg")  # files only
-
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-
-from . import paper as paper_values  # noqa: E402
-from .arms import METRIC, algorithm_of, arm, geometric_mean  # noqa: E402
-from .paper import paper_ratio  # noqa: E402
-from .render import markdown  # noqa: E402
-from .runs_frame import beside_committed  # noqa: E402
-from .science_pieces import (  # noqa: E402
+from . import paper as paper_values
+from .arms import METRIC, algorithm_of, arm, geometric_mean
+from .paper import paper_ratio
+from .plotting import plt, save
+from .render import markdown
+from .runs_frame import beside_committed
+from .science_pieces import (
     batch_control_section,
     best_lr_findings,
     best_lr_section,
@@ -42,10 +38,10 @@ from .science_pieces import (  # noqa: E402
     frontier_section,
     tables34_section,
 )
-from .slope import crossing, fit, lack_of_fit  # noqa: E402
-from .spec import Study  # noqa: E402
-from .stats import LEVEL  # noqa: E402
-from .tables import NAMES  # noqa: E402
+from .slope import crossing, fit, lack_of_fit
+from .spec import Study
+from .stats import LEVEL
+from .tables import NAMES
 
 
 def block_and_noise(run) -> dict:
@@ -88,8 +84,7 @@ def noise_figure(table: pd.DataFrame, path: Path) -> None:
     ax.set_title("gradient noise scale (dashed: a group batch at B_simple)")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path, 120)
 
 
 def noise_section(df: pd.DataFrame, study: Study, out: Path) -> list[str]:
@@ -215,8 +210,7 @@ def slope_figure(df: pd.DataFrame, study: Study, out: Path, args: dict, table: p
     ax.set_title("ratio against model size; x: the paper at 8B; bar at 8B: extrapolation", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "ladder.png", dpi=120)
-    plt.close(fig)
+    save(fig, out / "ladder.png", 120)
 
 
 def slope_section(df: pd.DataFrame, study: Study, out: Path, phases, rungs, primary, secondary, at) -> list[str]:

@@ -20,21 +20,17 @@ import json
 import math
 from pathlib import Path
 
-import matplotlib
+import pandas as pd
+import seaborn as sns
 
-matplotlib.use("Agg")  # files only
-
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
-import seaborn as sns  # noqa: E402
-
-from . import paper as paper_values  # noqa: E402
-from .arms import METRIC, algorithm_of, claims  # noqa: E402
-from .paper import paper_ratio  # noqa: E402
-from .render import markdown  # noqa: E402
-from .spec import Study  # noqa: E402
-from .stats import MIN_SEEDS, TIE_HIGH, TIE_LOW, Claim, Ratio, explore, interval_text, mean_interval, paired_ratio, size  # noqa: E402
-from .tables import NAMES, ORDER  # noqa: E402
+from . import paper as paper_values
+from .arms import METRIC, algorithm_of, claims
+from .paper import paper_ratio
+from .plotting import plt, save
+from .render import markdown
+from .spec import Study
+from .stats import MIN_SEEDS, TIE_HIGH, TIE_LOW, Claim, Ratio, explore, interval_text, mean_interval, paired_ratio, size
+from .tables import NAMES, ORDER
 
 BEST_LR = "fp32, each one's best lr (picked on these seeds)"
 
@@ -202,8 +198,7 @@ def drift_figure(df: pd.DataFrame, pairs, path: Path) -> None:
     ax.set(yscale="log", xlabel="step", ylabel="|train loss difference| (floor 1e-9)")
     ax.set_title("the same mathematics, step by step, one line per seed")
     ax.legend(fontsize=7)
-    fig.savefig(path, dpi=150)
-    plt.close(fig)
+    save(fig, path, 150)
 
 
 def paper_gaps(df: pd.DataFrame, study: Study, pairs) -> list[str]:
@@ -402,8 +397,7 @@ def frontier_section(df: pd.DataFrame, study: Study, out: Path, phases) -> list[
     if not len(table):
         return []
     fig = frontier_figure(table, f"phases {', '.join(phases)}")
-    fig.savefig(out / "frontier.png", dpi=150)
-    plt.close(fig)
+    save(fig, out / "frontier.png", 150)
     shown = table.drop(columns=["/ FSDP", "low", "high"]).round({"train time [s]": 1, "eval perplexity": 1})
     return [
         "## Perplexity against time: A at each algorithm's F (exploratory)\n",

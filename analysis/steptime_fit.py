@@ -9,15 +9,15 @@ aggregation (the optimizer's 0.03 s and the zeros carry no information on the fr
 
 from __future__ import annotations
 
-import json
 import math
-from importlib.resources import files
 
 import numpy as np
 from scipy.optimize import least_squares
 
 from fldp.mesh import MeshShape
 from fldp.steptime import Efficiency, Hardware, Workload, phases, workload_for
+
+from . import paper
 
 PHASES = ("forward", "backward", "optimizer", "aggregation")
 FITTED = ("forward", "backward", "aggregation")
@@ -26,7 +26,7 @@ LAYOUTS = {"fsdp": (1, 1, 512, None), "hsdp": (1, 128, 4, None), "fl_fsdp": (128
 
 
 def table4() -> dict[str, dict[str, float]]:
-    t = json.loads((files("fldp.analysis") / "paper_values.json").read_text())["table4"]
+    t = paper.load()["table4"]
     return {a: dict(zip(t["columns"], row)) for a, row in t["mean"].items()}
 
 

@@ -6,20 +6,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import matplotlib
+import pandas as pd
 
-matplotlib.use("Agg")  # files only
-
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
-
-from .arms import METRIC, arm, choices, tuning  # noqa: E402
-from .pieces import findings_rows, sections  # noqa: E402
-from .render import markdown  # noqa: E402
-from .runs_frame import changed, displayed, losses, plan_quote  # noqa: E402
-from .spec import Study  # noqa: E402
-from .study import decided_seeds, findings, pilot, seconds_per_run  # noqa: E402
-from .study_run import STAMP, changed_runs  # noqa: E402
+from .arms import METRIC, arm, choices, tuning
+from .pieces import findings_rows, sections
+from .plotting import plt, save
+from .render import markdown
+from .runs_frame import changed, displayed, losses, plan_quote
+from .spec import Study
+from .study import decided_seeds, findings, pilot, seconds_per_run
+from .study_run import STAMP, changed_runs
 
 
 def committed_primary(directory: Path) -> pd.DataFrame:
@@ -83,8 +79,7 @@ def figure(df: pd.DataFrame, table: pd.DataFrame, study: Study, out: Path) -> No
     right.invert_yaxis()
     right.legend()
     fig.tight_layout()
-    fig.savefig(out / "figure.png", dpi=120)
-    plt.close(fig)
+    save(fig, out / "figure.png", 120)
 
 
 def pilot_section(df: pd.DataFrame, study: Study, paper: dict, out: Path) -> list[str]:
