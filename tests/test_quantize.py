@@ -209,16 +209,18 @@ SHARDED = [
     "trainer.eval_every=2",
     "trainer.eval_batches=2",
 ]
+# the simulator runs the trainer's Quantizer (fldp/quantize.py, one definition, each kind checked
+# against its definition above and in the trainer against the reference): what the simulator adds is
+# where each shard rank's buckets are cut and its error-feedback residual kept, the same for every
+# kind. So one integer kind (int4: two values a byte, a block of 64) and one float kind (fp8, under
+# DiLoCo's outer Nesterov step), each with error feedback (int8 and the kinds without feedback ran
+# here too, and cost CI ~5 worker-minutes for no path of their own)
 SIMULATED = {
-    "int8": ["algorithm.outer.quantize=int8"],
-    "int8-feedback": ["algorithm.outer.quantize=int8", "algorithm.outer.error_feedback=true"],
-    "fp8": ["algorithm.outer.quantize=fp8"],
     "fp8-feedback-diloco": [
         *CASES["int4-diloco"][2:],
         "algorithm.outer.quantize=fp8",
         "algorithm.outer.error_feedback=true",
     ],
-    "int4": ["algorithm.outer.quantize=int4", "algorithm.outer.quantize_block=64"],
     "int4-feedback": [
         "algorithm.outer.quantize=int4",
         "algorithm.outer.quantize_block=64",
@@ -231,7 +233,8 @@ SIMULATED = {
 def test_the_simulator_quantises_as_the_trainer_does(tmp_path, case):
     """cluster=simulate runs the trainer's buckets (fldp.stacked: each shard rank's, quantised block
     by block as that rank quantises them) in one process: its per-step losses and evaluations equal
-    the trainer's within 1e-5 (fp32's order of additions), with and without error feedback."""
+    the trainer's within 1e-5 (fp32's order of additions), with error feedback (without it: the
+    same bucket arithmetic, which the trainer's runs above check against the reference)."""
     common = [*SHARDED, *SIMULATED[case]]
     trained = train_world(compose_cfg(*common), tmp_path / "trainer")
     from fldp import simulate
