@@ -27,7 +27,7 @@ Point = tuple[str, str, int, str]  # (phase, arm, seed, the tuned value as an ov
 def banked_points(rows, study: Study) -> set[Point]:
     """The points of a committed report's runs (`rows`: its runs.csv, each row's arm placed)."""
     tune = study.tune.phases if study.tune else ()
-    values = rows[study.tune.key] if study.tune else rows["seed"]
+    values = rows[study.tune.key] if study.tune else [None] * len(rows)  # read only in a tune phase
     return {
         (phase, arm, int(seed), shown(float(value)) if phase in tune else "")
         for phase, arm, seed, value in zip(rows["phase"], rows["arm"], rows["seed"], values)
